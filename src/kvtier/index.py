@@ -1,0 +1,99 @@
+"""The LRU block index: keys, sizes and recency, no payloads.
+
+One implementation serves every place that must decide which block to evict: the DRAM, SSD and pool
+tiers keep their bookkeeping here, and `kvtier simulate` replays traces through the same class, so
+a simulated hit rate is the hit rate the real store would have had.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator
+
+
+class LRUIndex:
+    """Keys with a byte (or token) size each, bounded by `capacity`; least recently used first out.
+
+    `capacity` is in whatever unit the caller's sizes use (bytes for tiers, tokens or blocks in the
+    simulator). A capacity of 0 holds nothing; `None` is unbounded.
+    """
+
+    __slots__ = ("capacity", "used", "_key_to_size", "num_evictions")
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.used = 0
+        self._key_to_size: OrderedDict[Hashable, int] = OrderedDict()
+        self.num_evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._key_to_size)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._key_to_size
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """Keys from least to most recently used."""
+        return iter(self._key_to_size)
+
+    def size_of(self, key: Hashable) -> int:
+        return self._key_to_size[key]
+
+    def touch(self, key: Hashable) -> bool:
+        """Mark `key` most recently used; False if absent."""
+        if key not in self._key_to_size:
+            return False
+        self._key_to_size.move_to_end(key)
+        return True
+
+    def fits(self, size: int) -> bool:
+        return self.capacity is None or size <= self.capacity
+
+    def insert(self, key: Hashable, size: int, *, pinned: Iterable[Hashable] = ()) -> list[tuple[Hashable, int]] | None:
+        """Insert (or refresh) `key`; returns the (key, size) pairs evicted to make room, LRU first.
+
+        Returns None, changing nothing, when the entry can never fit (larger than capacity, or
+        everything that would have to go is in `pinned`).
+        """
+        assert size >= 0, size
+        if not self.fits(size):
+            return None
+        if key in self._key_to_size:
+            self.used -= self._key_to_size.pop(key)
+        victims = self._victims(self.used + size - (self.capacity if self.capacity is not None else self.used + size), set(pinned))
+        if victims is None:
+            return None
+        for victim in victims:
+            del self._key_to_size[victim[0]]
+            self.used -= victim[1]
+        self.num_evictions += len(victims)
+        self._key_to_size[key] = size
+        self.used += size
+        return victims
+
+    def _victims(self, need: int, pinned: set[Hashable]) -> list[tuple[Hashable, int]] | None:
+        victims: list[tuple[Hashable, int]] = []
+        for key, size in self._key_to_size.items():
+            if need <= 0:
+                break
+            if key in pinned:
+                continue
+            victims.append((key, size))
+            need -= size
+        return victims if need <= 0 else None
+
+    def pop(self, key: Hashable) -> int | None:
+        """Remove `key`; returns its size, or None if absent."""
+        size = self._key_to_size.pop(key, None)
+        if size is not None:
+            self.used -= size
+        return size
+
+    def lru_key(self) -> Hashable | None:
+        return next(iter(self._key_to_size), None)
+
+    def clear(self) -> None:
+        self._key_to_size.clear()
+        self.used = 0
