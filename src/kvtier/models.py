@@ -120,9 +120,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    from safetensors.torch import save_model
+
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    # The weights are de-quantized to fp32 by the GGUF loader; drop the GGUF quantization marker
+    # so the directory loads as a plain fp32 model.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
     tokenizer.save_pretrained(tmp)
     for file in tmp.iterdir():  # move into place file by file; the marker is written last
         file.replace(out / file.name)

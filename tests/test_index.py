@@ -1,0 +1,39 @@
+from kvtier.index import LRUIndex
+
+
+def test_evicts_least_recently_used_first():
+    idx = LRUIndex(capacity=3)
+    for key in "abc":
+        assert idx.insert(key, 1) == []
+    idx.touch("a")
+    assert idx.insert("d", 1) == [("b", 1)]
+    assert list(idx) == ["c", "a", "d"]
+    assert idx.insert("e", 2) == [("c", 1), ("a", 1)]
+    assert list(idx) == ["d", "e"] and idx.used == 3 and idx.num_evictions == 3
+
+
+def test_too_big_or_all_pinned_is_refused_without_change():
+    idx = LRUIndex(capacity=4)
+    idx.insert("a", 2)
+    idx.insert("b", 2)
+    assert idx.insert("huge", 5) is None
+    assert idx.insert("c", 2, pinned={"a", "b"}) is None
+    assert list(idx) == ["a", "b"] and idx.used == 4
+    assert idx.insert("c", 2, pinned={"a"}) == [("b", 2)]
+
+
+def test_reinsert_refreshes_size_and_recency():
+    idx = LRUIndex(capacity=10)
+    idx.insert("a", 3)
+    idx.insert("b", 3)
+    idx.insert("a", 5)
+    assert list(idx) == ["b", "a"] and idx.used == 8
+    assert idx.pop("b") == 3 and idx.pop("b") is None and idx.used == 5
+
+
+def test_zero_and_unbounded_capacity():
+    assert LRUIndex(0).insert("a", 1) is None
+    unbounded = LRUIndex(None)
+    for i in range(1000):
+        assert unbounded.insert(i, 7) == []
+    assert unbounded.used == 7000
