@@ -1,0 +1,152 @@
+"""The HBM budget and what happens to the KV that does not fit.
+
+Per GPU (one tensor-parallel rank):  weights/tp + KV + activations + overhead  <=  HBM x utilisation.
+
+Estimates (stated in every report):
+- activations: one chunked-prefill step of `max_batched_tokens` (8192, vLLM's default budget) holds
+  about (4 x hidden + 2 x intermediate / tp) bf16 values per token, plus fp32 logits for
+  `concurrency` sequences (vocab x 4 bytes each);
+- overhead: 1 GiB of CUDA context, cuBLAS/NCCL workspaces and allocator slack per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from kvtier.errors import UserError
+from kvtier.plan.specs import GPUSpec, ModelSpec
+
+GIB = 2**30
+OVERHEAD_BYTES = 1 * GIB
+MAX_BATCHED_TOKENS = 8192
+GPUS_PER_NODE = 8
+# Fabrics a restored prefix can come back over, bytes/s per GPU.
+PCIE5_X16 = 64e9          # host DRAM -> GPU
+RDMA_400G = 50e9          # pooled memory (Mooncake over RDMA) -> GPU, one 400 Gb/s NIC per GPU
+NVME_SEQ = 7e9            # local NVMe SSD, sequential read
+POWER_FACTORS = (2.5, 3.0)  # facility watts per GPU TDP watt (host, network, cooling)
+
+
+@dataclass(slots=True)
+class PlanResult:
+    model: str
+    gpu: str
+    context: int
+    concurrency: int
+    kv_dtype: str
+    weight_dtype: str
+    tp: int
+    gpu_mem_bytes: int
+    usable_bytes: float
+    kv_bytes_per_token: float
+    kv_bytes_per_request: float
+    kv_bytes_total: float          # all sequences, all TP ranks
+    kv_bytes_per_gpu: float
+    weights_bytes: float           # all parameters
+    weights_bytes_per_gpu: float
+    activations_bytes: float
+    overhead_bytes: float
+    needed_bytes_per_gpu: float
+    fits: bool
+    max_concurrency: int
+    max_context: int
+    spill_bytes: float             # KV that does not fit in the replica's HBM
+    kv_capacity_bytes_per_gpu: float
+    restore_bandwidth_bytes_s: float  # to bring one request's prefix back within ttft_target_s
+    ttft_target_s: float
+    restore_s_by_tier: dict
+    tier_plan: dict
+    decode_tokens_per_s: float     # memory-bandwidth bound, all sequences of the replica together
+    replicas: int
+    gpus: int
+    nodes: int
+    facility_watts: tuple
+    notes: list
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _activations(model: ModelSpec, concurrency: int, tp: int) -> float:
+    per_token = (4 * model.hidden_size + 2 * model.intermediate_size / tp) * 2
+    return MAX_BATCHED_TOKENS * per_token + concurrency * model.vocab_size * 4
+
+
+def _max_context(model: ModelSpec, kv_budget: float, concurrency: int, kv_dtype: str, tp: int) -> int:
+    """Longest context whose KV for `concurrency` sequences fits `kv_budget` (binary search:
+    sliding layers make KV non-linear in context). Capped at 64x the model's max context."""
+    if concurrency <= 0 or kv_budget <= 0:
+        return 0
+    lo, hi = 0, model.max_context * 64
+    if model.kv_bytes(hi, kv_dtype, tp) * concurrency <= kv_budget:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if model.kv_bytes(mid, kv_dtype, tp) * concurrency <= kv_budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(model: ModelSpec, gpu: GPUSpec, *, context: int, concurrency: int, kv_dtype: str = "bf16",
+         weight_dtype: str = "bf16", tp: int = 1, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
+         host_mem_bytes_per_node: float = 2 * 2**40) -> PlanResult:
+    if context <= 0 or concurrency <= 0 or tp <= 0:
+        raise UserError("context, concurrency and tp must be positive")
+    if not 0 < gpu_mem_util <= 1:
+        raise UserError(f"--gpu-mem-util must be in (0, 1], got {gpu_mem_util}")
+    notes = []
+    if context > model.max_context:
+        notes.append(f"context {context} exceeds the model's {model.max_context}")
+    if tp > model.num_kv_heads and not model.is_mla:
+        notes.append(f"tp {tp} > {model.num_kv_heads} KV heads: KV heads are replicated on every rank")
+    if model.is_mla:
+        notes.append("MLA: the latent KV is replicated on every TP rank")
+    usable = gpu.hbm_bytes * gpu_mem_util
+    kv_req = model.kv_bytes(context, kv_dtype, tp)            # one request, one rank
+    kv_gpu = kv_req * concurrency
+    weights = model.weights_bytes(weight_dtype)
+    weights_gpu = weights / tp
+    act = _activations(model, concurrency, tp)
+    fixed = weights_gpu + act + OVERHEAD_BYTES
+    kv_capacity = max(0.0, usable - fixed)
+    needed = fixed + kv_gpu
+    max_conc = int(kv_capacity // kv_req) if kv_req else 0
+    spill = max(0.0, kv_gpu - kv_capacity) * tp
+    replicas = math.ceil(concurrency / max_conc) if max_conc else 0
+    gpus = replicas * tp
+    kv_total = kv_gpu * tp
+    restore_bw = kv_req / ttft_target_s          # per GPU, each rank restores its shard in parallel
+    # one decode step reads the active weights and every sequence's KV once
+    step_bytes = weights_gpu * (model.params_active / model.params_total) + kv_gpu
+    return PlanResult(
+        model=model.name, gpu=gpu.name, context=context, concurrency=concurrency, kv_dtype=kv_dtype,
+        weight_dtype=weight_dtype, tp=tp, gpu_mem_bytes=gpu.hbm_bytes, usable_bytes=usable,
+        kv_bytes_per_token=kv_req / context, kv_bytes_per_request=kv_req * tp, kv_bytes_total=kv_total,
+        kv_bytes_per_gpu=kv_gpu, weights_bytes=weights, weights_bytes_per_gpu=weights_gpu,
+        activations_bytes=act, overhead_bytes=OVERHEAD_BYTES, needed_bytes_per_gpu=needed,
+        fits=needed <= usable, max_concurrency=max_conc,
+        max_context=_max_context(model, kv_capacity, concurrency, kv_dtype, tp), spill_bytes=spill,
+        kv_capacity_bytes_per_gpu=kv_capacity, restore_bandwidth_bytes_s=restore_bw, ttft_target_s=ttft_target_s,
+        restore_s_by_tier={"dram (PCIe5 x16)": kv_req / PCIE5_X16, "pool (RDMA 400G)": kv_req / RDMA_400G,
+                           "ssd (NVMe)": kv_req / NVME_SEQ},
+        tier_plan=_tier_plan(spill, tp, host_mem_bytes_per_node, restore_bw),
+        decode_tokens_per_s=concurrency * gpu.hbm_bandwidth_bytes_s / step_bytes,
+        replicas=replicas, gpus=gpus, nodes=math.ceil(gpus / GPUS_PER_NODE) if gpus else 0,
+        facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes)
+
+
+def _tier_plan(spill: float, tp: int, host_mem_per_node: float, restore_bw: float) -> dict:
+    """Where the spilled KV of one replica goes: host DRAM first (80% of it usable for KV),
+    then a pool shared by the nodes, then local SSD. Fabric checks compare the restore bandwidth
+    one GPU needs against what each tier can deliver per GPU."""
+    nodes = max(1, math.ceil(tp / GPUS_PER_NODE))
+    dram = min(spill, 0.8 * host_mem_per_node * nodes)
+    rest = spill - dram
+    return {
+        "host_dram_bytes_per_node": dram / nodes, "pool_bytes": rest, "ssd_bytes_per_node": rest / nodes,
+        "dram_meets_ttft": PCIE5_X16 >= restore_bw, "pool_meets_ttft": RDMA_400G >= restore_bw,
+        "ssd_meets_ttft": NVME_SEQ >= restore_bw,
+    }
