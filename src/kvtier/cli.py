@@ -6,6 +6,7 @@ Bad input anywhere ends in a one-line error and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -24,6 +25,7 @@ _COMMAND_MODULES = [
 ]
 
 
+@functools.cache  # once per process: main() may be called repeatedly (tests)
 def _register_all() -> None:
     for name in _COMMAND_MODULES:
         try:
