@@ -17,7 +17,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 _COMMAND_MODULES = [
     "kvtier.plan.cli",       # kvtier plan
-    "kvtier.generate_cli",   # kvtier generate, kvtier demo
+    "kvtier.demo",           # kvtier demo (make run)
+    "kvtier.generate_cli",   # kvtier generate
     "kvtier.server.cli",     # kvtier serve
     "kvtier.evals.cli",      # kvtier eval
     "kvtier.sim.cli",        # kvtier simulate
