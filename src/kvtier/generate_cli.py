@@ -1,0 +1,162 @@
+"""`kvtier generate`: one generation on a real model through `TieredCache`, with per-tier hits.
+
+Run it twice on the same `--ssd-dir` as two processes: the second run finds the prompt's full
+blocks on SSD (or in the pool), skips that part of the prefill, and prints the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import typer
+
+from kvtier.errors import UserError
+
+DEFAULT_TIERS = "dram,ssd"
+
+
+@dataclass(slots=True)
+class GenerateResult:
+    text: str
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    new_tokens: int
+    decode_tokens_per_s: float
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    stored_blocks: int = 0
+    tier_stats: dict[str, dict] = field(default_factory=dict)
+
+
+def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
+               dram_bytes: str = "1GiB", ssd_bytes: str = "20GiB") -> list[str]:
+    """`dram,ssd,mooncake` + paths/URLs -> the manager's tier spec strings, top tier first."""
+    from kvtier.models import cache_dir
+
+    specs = []
+    for name in [t.strip() for t in tiers.split(",") if t.strip()]:
+        if name == "dram":
+            specs.append(f"dram:{dram_bytes}")
+        elif name == "ssd":
+            specs.append(f"ssd:{ssd_dir or cache_dir() / 'ssd'}:{ssd_bytes}")
+        elif name in ("mooncake", "redis"):
+            if not pool_url:
+                raise UserError(f"the {name} tier needs --pool-url")
+            specs.append(pool_url if pool_url.startswith(f"{name}") else f"{name}:{pool_url}")
+        else:
+            raise UserError(f"unknown tier {name!r}: use dram, ssd, mooncake, redis")
+    # pools sit between DRAM and SSD
+    order = {"dram": 0, "mooncake": 1, "redis": 1, "ssd": 2}
+    return sorted(specs, key=lambda spec: order[spec.split(":", 1)[0]])
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that records when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.num_puts = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value) -> None:
+        self.num_puts += 1
+        if self.num_puts == 2 and self.first_token_at is None:  # put #1 is the prompt
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw",
+                 device_kv_budget_bytes: int | None = None, block_tokens: int = 256) -> GenerateResult:
+    """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""
+    import torch
+
+    from kvtier.hf import TieredCache
+
+    device = loaded.model.device
+    ids = torch.tensor([prompt_ids], device=device)
+    start = time.perf_counter()
+    cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens,
+                                  device_kv_budget_bytes=device_kv_budget_bytes)
+    cached = cache.load_prefix(ids, reserve_tokens=max_new_tokens)
+    timer = _FirstTokenTimer()
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                    max_new_tokens=max_new_tokens, do_sample=False, streamer=timer,
+                                    pad_token_id=getattr(loaded.tokenizer, "eos_token_id", None))
+    end = time.perf_counter()
+    new_ids = out[0, ids.shape[1]:].tolist()
+    stored = cache.store(out[0])
+    first = timer.first_token_at or end
+    text = loaded.tokenizer.decode(new_ids, skip_special_tokens=True) if loaded.tokenizer else str(new_ids)
+    return GenerateResult(
+        text=text, ttft_s=first - start, total_s=end - start, prompt_tokens=len(prompt_ids),
+        cached_tokens=cached, new_tokens=len(new_ids),
+        decode_tokens_per_s=(len(new_ids) - 1) / (end - first) if len(new_ids) > 1 and end > first else 0.0,
+        hit_tokens_by_tier=dict(cache.prefix.hit_tokens_by_tier), stored_blocks=stored)
+
+
+def _print_result(result: GenerateResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{result.text}[/bold]")
+    table = Table(title="kvtier generate")
+    for col in ("prompt tokens", "cached tokens", "hits by tier", "TTFT", "decode tok/s", "stored blocks"):
+        table.add_column(col)
+    hits = ", ".join(f"{k}: {v}" for k, v in result.hit_tokens_by_tier.items()) or "-"
+    table.add_row(str(result.prompt_tokens), str(result.cached_tokens), hits, f"{result.ttft_s * 1000:.1f} ms",
+                  f"{result.decode_tokens_per_s:.1f}", str(result.stored_blocks))
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def generate(
+        prompt: str = typer.Option(None, help="prompt text"),
+        prompt_file: Path = typer.Option(None, help="read the prompt from this file"),
+        max_new_tokens: int = typer.Option(32, min=1),
+        model: str = typer.Option("smollm2", help="smollm2 (embedded), tiny, or a local HF model directory"),
+        tiers: str = typer.Option(DEFAULT_TIERS, help="comma list of dram, ssd, mooncake, redis"),
+        ssd_dir: str = typer.Option(None, help="SSD tier directory (default: <cache dir>/ssd)"),
+        pool_url: str = typer.Option(None, help="mooncake master host:port or redis://host:port/db"),
+        codec: str = typer.Option("raw", help="raw, fp8, int8, int4, int2, optionally +zstd"),
+        device_kv_budget: str = typer.Option(None, help="device KV budget, e.g. 256MiB; the rest lives on the host"),
+        block_tokens: int = typer.Option(256, min=1),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+    ) -> None:
+        """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics."""
+        from kvtier import models
+        from kvtier.manager import build_manager
+        from kvtier.units import parse_bytes
+
+        if (prompt is None) == (prompt_file is None):
+            raise UserError("give exactly one of --prompt or --prompt-file")
+        text = prompt if prompt is not None else prompt_file.read_text()
+        loaded = models.load(model)
+        if loaded.tokenizer is None:
+            raise UserError(f"model {model!r} has no tokenizer; generate needs one")
+        budget = parse_bytes(device_kv_budget) if device_kv_budget else None
+        layout = loaded.kv_layout(block_tokens)
+        from kvtier.codecs import get_codec
+
+        manager = build_manager(tier_specs(tiers, ssd_dir=ssd_dir, pool_url=pool_url),
+                                slot_bytes=get_codec(codec).max_encoded_bytes(layout))
+        try:
+            result = run_generate(loaded, manager, loaded.tokenizer(text).input_ids, max_new_tokens=max_new_tokens,
+                                  codec=codec, device_kv_budget_bytes=budget, block_tokens=block_tokens)
+            manager.flush()
+            result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
+        finally:
+            manager.close()
+        if json_out:
+            json.dump(asdict(result), sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            _print_result(result)

@@ -1,0 +1,286 @@
+"""The transformers integration: `TieredCache`, a `Cache` backed by kvtier's tier manager.
+
+Targets the Cache API of transformers 5.20-5.23 (`Cache(layers=...)` of `CacheLayerMixin`s).
+
+    cache = TieredCache.for_model(loaded, manager)
+    num_cached = cache.load_prefix(input_ids)           # longest cached prefix from DRAM/pool/SSD
+    out = model.generate(input_ids, past_key_values=cache, ...)   # computes only the rest
+    cache.store(out[0])                                 # new full blocks go down to the tiers
+
+Three things over `DynamicCache`:
+- prefix reuse across requests and processes (blocks keyed by `kvtier.blocks`, bytes by `kvtier.codecs`);
+- in-place growth with capacity doubling, so a decode step copies one token's KV, not the whole
+  cache (`DynamicLayer` re-concatenates every layer on every step);
+- a device byte budget: layers past the budget keep their KV in (pinned) host memory and are
+  streamed back layer by layer, the next layer's copy overlapping the current layer's compute
+  on a side CUDA stream (the peer is `DynamicCache(offloading=True)`, which moves every layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeySpace, KVLayout, block_keys
+from kvtier.codecs import get_codec
+
+_MIN_CAPACITY_TOKENS = 256
+
+
+@dataclass(slots=True)
+class PrefixStats:
+    """What `load_prefix` / `store` did for one request."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    stored_blocks: int = 0
+
+
+class TieredLayer(DynamicLayer):
+    """A `DynamicLayer` over a preallocated buffer that grows by doubling.
+
+    `keys`/`values` are views `[B, H, n, D]` of `_k_buf`/`_v_buf` `[B, H, capacity, D]`. When
+    `offloaded`, the buffers live on `host_device` and each `update` returns device copies
+    (staged by `TieredCache`'s prefetch); on a CPU-only machine host and device coincide.
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
+        self.offloaded = False
+        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    @property
+    def storage_device(self) -> torch.device:
+        return torch.device("cpu") if self.offloaded else self.device
+
+    def reserve(self, key_like: torch.Tensor, num_tokens: int) -> None:
+        """Make room for `num_tokens` in total without reallocating later."""
+        n = self.get_seq_length()
+        if self._owns_views() and self._k_buf.shape[-2] >= num_tokens:
+            return
+        b, h, _, d = key_like.shape
+        capacity = max(num_tokens, _MIN_CAPACITY_TOKENS)
+        pin = self.storage_device.type == "cpu" and torch.cuda.is_available()
+        k_buf = torch.empty((b, h, capacity, d), dtype=key_like.dtype, device=self.storage_device, pin_memory=pin)
+        v_buf = torch.empty_like(k_buf, pin_memory=pin) if pin else torch.empty_like(k_buf)
+        if n:
+            k_buf[..., :n, :].copy_(self.keys)
+            v_buf[..., :n, :].copy_(self.values)
+        self._k_buf, self._v_buf = k_buf, v_buf
+        self.keys, self.values = k_buf[..., :n, :], v_buf[..., :n, :]
+
+    def _owns_views(self) -> bool:
+        # `crop` keeps views of the buffer; `reorder_cache` & co. reassign new tensors (buffer stale).
+        if self._k_buf is None:
+            return False
+        return self.keys.numel() == 0 or self.keys.data_ptr() == self._k_buf.data_ptr()
+
+    def move_to_host(self) -> None:
+        """From now on this layer's KV lives in host memory (pinned when CUDA is present)."""
+        self.offloaded = True
+        if self._k_buf is None or self._k_buf.device.type == "cpu":
+            return
+        n = self.get_seq_length()
+        pin = torch.cuda.is_available()
+        self._k_buf = self._k_buf.to("cpu").pin_memory() if pin else self._k_buf.to("cpu")
+        self._v_buf = self._v_buf.to("cpu").pin_memory() if pin else self._v_buf.to("cpu")
+        self.keys, self.values = self._k_buf[..., :n, :], self._v_buf[..., :n, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = self.get_seq_length(), key_states.shape[-2]
+        if not self._owns_views() or self._k_buf.shape[-2] < n + t:
+            capacity = 2 * (self._k_buf.shape[-2] if self._k_buf is not None else 0)
+            self.reserve(key_states, max(n + t, capacity))
+        # key_states: [B, H, t, D] on the compute device
+        self._k_buf[..., n:n + t, :].copy_(key_states, non_blocking=True)
+        self._v_buf[..., n:n + t, :].copy_(value_states, non_blocking=True)
+        self.keys, self.values = self._k_buf[..., :n + t, :], self._v_buf[..., :n + t, :]
+        if self.storage_device == key_states.device:
+            return self.keys, self.values
+        return self._device_views(key_states, value_states, n)
+
+    def _device_views(self, key_states: torch.Tensor, value_states: torch.Tensor, n: int):
+        staged = self._staged
+        self._staged = None
+        if staged is None or staged[0].shape[-2] < n:
+            staged = (self._k_buf[..., :n, :].to(key_states.device), self._v_buf[..., :n, :].to(key_states.device))
+        keys = torch.cat([staged[0][..., :n, :], key_states], dim=-2)
+        values = torch.cat([staged[1][..., :n, :], value_states], dim=-2)
+        return keys, values
+
+    def stage(self, device: torch.device) -> None:
+        """Start copying the host-resident KV to `device` (called on the prefetch stream)."""
+        if self.offloaded and self.is_initialized and self.get_seq_length():
+            self._staged = (self.keys.to(device, non_blocking=True), self.values.to(device, non_blocking=True))
+
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class TieredCache(Cache):
+    """A transformers `Cache` whose full blocks are shared through kvtier's tiers.
+
+    Lossless codecs give token-for-token the same greedy output as `DynamicCache`. One sequence
+    (batch size 1) per cache object when prefix reuse is used.
+    """
+
+    def __init__(self, config, manager=None, *, model_fingerprint: str, codec: str = "raw",
+                 namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 device_kv_budget_bytes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        text_config = config.get_text_config(decoder=True)
+        layer_types = getattr(text_config, "layer_types", None) or []
+        if any(kind != "full_attention" for kind in layer_types) or getattr(text_config, "sliding_window", None) \
+                and getattr(text_config, "use_sliding_window", True):
+            raise ValueError("TieredCache supports full-attention models only (sliding-window layers drop KV)")
+        from kvtier.models import kv_layout
+
+        self.layout: KVLayout = kv_layout(text_config, block_tokens, dtype)
+        self.codec = get_codec(codec)
+        self.space = KeySpace(model_fingerprint, self.layout, self.codec.name, namespace)
+        self.manager = manager
+        self.device_kv_budget_bytes = device_kv_budget_bytes
+        self.prefix = PrefixStats()
+        self._num_stored_blocks = 0
+        self._prefetch_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        super().__init__(layers=[TieredLayer() for _ in range(self.layout.num_layers)])
+
+    @classmethod
+    def for_model(cls, loaded, manager=None, **kwargs) -> "TieredCache":
+        """Build from a `kvtier.models.LoadedModel` (its fingerprint and dtype)."""
+        kwargs.setdefault("dtype", loaded.model.dtype)
+        return cls(loaded.model.config, manager, model_fingerprint=loaded.fingerprint, **kwargs)
+
+    # -- the Cache hot path -------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._prefetch_stream is not None:
+            torch.cuda.current_stream(key_states.device).wait_stream(self._prefetch_stream)
+            self._prefetch_next(layer_idx, key_states.device)
+        self._apply_budget(layer_idx, key_states)
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def _prefetch_next(self, layer_idx: int, device: torch.device) -> None:
+        next_idx = layer_idx + 1 if layer_idx + 1 < len(self.layers) else 0
+        self._prefetch_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._prefetch_stream):
+            self.layers[next_idx].stage(device)
+
+    def _apply_budget(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Layers whose cumulative bytes pass the budget keep their KV on the host."""
+        if self.device_kv_budget_bytes is None:
+            return
+        layer = self.layers[layer_idx]
+        if layer.offloaded:
+            return
+        b, h, t, d = key_states.shape
+        upcoming = layer.nbytes() + 2 * b * h * t * d * key_states.element_size()
+        before = sum(other.nbytes() for other in self.layers[:layer_idx] if not other.offloaded)
+        if before + upcoming > self.device_kv_budget_bytes:
+            layer.move_to_host()
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers if not layer.offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers if layer.offloaded)
+
+    @property
+    def num_offloaded_layers(self) -> int:
+        return sum(layer.offloaded for layer in self.layers)
+
+    # -- prefix reuse ---------------------------------------------------------------------------
+    def load_prefix(self, input_ids: torch.Tensor, *, reserve_tokens: int = 0) -> int:
+        """Fill the cache with the longest cached prefix of `input_ids` ([1, S] or [S]).
+
+        At least the last prompt token is left to compute (the model needs its logits).
+        Returns the number of cached tokens. `reserve_tokens` preallocates room for generation.
+        """
+        if self.get_seq_length():
+            raise RuntimeError("load_prefix must be called on an empty cache")
+        token_ids = input_ids.reshape(-1).tolist() if input_ids.dim() > 1 else input_ids.tolist()
+        if input_ids.dim() > 1 and input_ids.shape[0] != 1:
+            raise ValueError("prefix reuse works on one sequence per cache (batch size 1)")
+        self.prefix = PrefixStats(prompt_tokens=len(token_ids))
+        block_tokens = self.layout.block_tokens
+        usable_blocks = (len(token_ids) - 1) // block_tokens
+        if self.manager is None or usable_blocks == 0:
+            return 0
+        keys = block_keys(self.space, token_ids[:usable_blocks * block_tokens])
+        tiers = self.manager.lookup(keys)
+        payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
+        blocks = [self.codec.decode(buf) for buf in payloads]
+        if not blocks:
+            return 0
+        self._fill(blocks, len(token_ids) + reserve_tokens)
+        num_cached = len(blocks) * block_tokens
+        for tier in tiers[:len(blocks)]:
+            self.prefix.hit_tokens_by_tier[tier] = self.prefix.hit_tokens_by_tier.get(tier, 0) + block_tokens
+        self.prefix.cached_tokens = num_cached
+        self._num_stored_blocks = len(blocks)
+        return num_cached
+
+    def _fill(self, blocks: list[torch.Tensor], capacity_tokens: int) -> None:
+        """Write decoded blocks ([L, 2, H, T, D] each) into the layers' buffers."""
+        device = self._compute_device()
+        for layer_idx, layer in enumerate(self.layers):
+            # [1, H, T, D] per block -> one chunk per layer, written through update() so the
+            # budget decides where it lives
+            k = torch.cat([block[layer_idx, 0] for block in blocks], dim=-2).unsqueeze(0)
+            v = torch.cat([block[layer_idx, 1] for block in blocks], dim=-2).unsqueeze(0)
+            k, v = k.to(device=device, dtype=self.layout_dtype), v.to(device=device, dtype=self.layout_dtype)
+            self._apply_budget(layer_idx, k)
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.reserve(k, capacity_tokens)
+            layer.update(k, v)
+
+    @property
+    def layout_dtype(self) -> torch.dtype:
+        return getattr(torch, self.layout.dtype)
+
+    def _compute_device(self) -> torch.device:
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    def store(self, token_ids: torch.Tensor | list[int]) -> int:
+        """Send the cache's new full blocks to the tiers; returns how many blocks were stored.
+
+        `token_ids` are the tokens whose KV is in the cache (prompt + generated; the last generated
+        token has no KV yet and is ignored by the block count).
+        """
+        if self.manager is None:
+            return 0
+        ids = token_ids.reshape(-1).tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        num_tokens = min(self.get_seq_length(), len(ids))
+        block_tokens = self.layout.block_tokens
+        num_full = num_tokens // block_tokens
+        if num_full <= self._num_stored_blocks:
+            return 0
+        keys = block_keys(self.space, ids[:num_full * block_tokens])
+        items = [(keys[i], self.codec.encode(self.block_tensor(i))) for i in range(self._num_stored_blocks, num_full)]
+        self.manager.put_many(items)
+        self.prefix.stored_blocks += len(items)
+        self._num_stored_blocks = num_full
+        return len(items)
+
+    def block_tensor(self, block_idx: int) -> torch.Tensor:
+        """The KV of one block, [L, 2, H, T, D], on the CPU (for a codec)."""
+        start = block_idx * self.layout.block_tokens
+        end = start + self.layout.block_tokens
+        per_layer = [torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]]) for layer in self.layers]
+        return torch.stack(per_layer).cpu()

@@ -1,0 +1,136 @@
+"""Local SSD tier: one file per block under a directory, an index that survives restarts.
+
+A block is written to a temporary file, fsynced and renamed into place (`os.replace` is atomic),
+so a crash never leaves a half-written block under a real name; the header checksum catches
+anything else. On open the directory is scanned: yesterday's blocks are found again, in mtime
+(LRU) order, and leftover temporary files are removed. A full (ENOSPC) or read-only disk turns
+the tier's puts off with one warning; reads of what is there keep working.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from pathlib import Path
+
+from kvtier.index import LRUIndex
+from kvtier.tiers.base import TierStats
+
+log = logging.getLogger(__name__)
+_TMP_SUFFIX = ".tmp"
+_BLOCK_SUFFIX = ".kvb"
+_DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+class DiskTier:
+    name = "ssd"
+
+    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self._lru = LRUIndex(capacity_bytes)
+        self.stats = TierStats()
+        self.healthy = True
+        self.writable = True
+        self._scan()
+
+    def _path(self, key: bytes) -> Path:
+        hex_key = key.hex()
+        return self.directory / hex_key[:2] / f"{hex_key}{_BLOCK_SUFFIX}"
+
+    def _scan(self) -> None:
+        found = []
+        for path in self.directory.glob("*/*"):
+            if path.name.endswith(_TMP_SUFFIX):
+                path.unlink(missing_ok=True)  # a write that never reached its rename
+            elif path.name.endswith(_BLOCK_SUFFIX):
+                stat = path.stat()
+                found.append((stat.st_mtime_ns, bytes.fromhex(path.name[:-len(_BLOCK_SUFFIX)]), stat.st_size))
+        for _, key, size in sorted(found):
+            for victim, _ in self._lru.insert(key, size) or []:
+                self._path(victim).unlink(missing_ok=True)
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [key in self._lru for key in keys]
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        start = time.perf_counter()
+        out: list[bytes | None] = []
+        for key in keys:
+            data = None
+            if key in self._lru:
+                try:
+                    data = self._path(key).read_bytes()
+                except OSError:
+                    self._lru.pop(key)
+                    self.stats.errors += 1
+            if data is None:
+                self.stats.misses += 1
+            else:
+                self._lru.touch(key)
+                self.stats.hits += 1
+                self.stats.bytes_read += len(data)
+            out.append(data)
+        self.stats.read_seconds += time.perf_counter() - start
+        return out
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """Write blocks; evicted blocks are deleted (the SSD is the last tier), so none are returned."""
+        start = time.perf_counter()
+        for key, data in items:
+            if not self.writable:
+                return []
+            if key in self._lru:
+                self._lru.touch(key)
+                continue
+            victims = self._lru.insert(key, len(data))
+            if victims is None:
+                continue  # larger than the whole tier
+            for victim, _ in victims:
+                self._path(victim).unlink(missing_ok=True)
+                self.stats.evictions += 1
+            try:
+                self._write(self._path(key), data)
+            except OSError as exc:
+                self._lru.pop(key)
+                self._on_write_error(exc)
+                continue
+            self.stats.puts += 1
+            self.stats.bytes_written += len(data)
+        self.stats.write_seconds += time.perf_counter() - start
+        return []
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + _TMP_SUFFIX)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _on_write_error(self, exc: OSError) -> None:
+        self.stats.errors += 1
+        if exc.errno in _DISABLING_ERRNOS:
+            self.writable = False
+            log.warning("ssd tier %s: %s; no more writes to this tier", self.directory, exc)
+
+    def delete(self, key: bytes) -> bool:
+        if self._lru.pop(key) is None:
+            return False
+        self._path(key).unlink(missing_ok=True)
+        return True
+
+    def used_bytes(self) -> int:
+        return self._lru.used
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,101 @@
+"""Host DRAM tier: one preallocated arena of fixed-size slots (pinned when CUDA is present).
+
+Metadata only in Python: `key_to_slot` and a free-slot stack of ints, slot lengths in a numpy
+array, recency in the shared `LRUIndex`. Payload bytes live in the arena tensor.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from kvtier.index import LRUIndex
+from kvtier.tiers.base import TierStats
+
+
+class HostTier:
+    name = "dram"
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0 or capacity_bytes < slot_bytes:
+            raise ValueError(f"dram tier needs capacity >= one slot ({slot_bytes} B), got {capacity_bytes} B")
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        self.capacity_bytes = self.num_slots * slot_bytes
+        pin = torch.cuda.is_available()
+        self._arena = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._arena_np = self._arena.numpy()
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._slot_len = np.zeros(self.num_slots, dtype=np.int64)
+        self._key_to_slot: dict[bytes, int] = {}
+        self._lru = LRUIndex(self.num_slots)  # capacity in slots: each block takes one
+        self.stats = TierStats()
+        self.healthy = True
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [key in self._key_to_slot for key in keys]
+
+    def _read(self, slot: int) -> bytes:
+        start = slot * self.slot_bytes
+        return self._arena_np[start:start + self._slot_len[slot]].tobytes()
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        start = time.perf_counter()
+        out: list[bytes | None] = []
+        for key in keys:
+            slot = self._key_to_slot.get(key)
+            if slot is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            self._lru.touch(key)
+            data = self._read(slot)
+            self.stats.hits += 1
+            self.stats.bytes_read += len(data)
+            out.append(data)
+        self.stats.read_seconds += time.perf_counter() - start
+        return out
+
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """Store blocks; returns the evicted (key, data), least recently used first."""
+        start = time.perf_counter()
+        evicted: list[tuple[bytes, bytes]] = []
+        for key, data in items:
+            if len(data) > self.slot_bytes:
+                raise ValueError(f"block of {len(data)} B exceeds the dram slot of {self.slot_bytes} B")
+            if key in self._key_to_slot:
+                self._lru.touch(key)
+                continue
+            for victim, _ in self._lru.insert(key, 1):
+                slot = self._key_to_slot.pop(victim)
+                evicted.append((victim, self._read(slot)))
+                self._free_slots.append(slot)
+                self.stats.evictions += 1
+            slot = self._free_slots.pop()
+            offset = slot * self.slot_bytes
+            self._arena_np[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self._slot_len[slot] = len(data)
+            self._key_to_slot[key] = slot
+            self.stats.puts += 1
+            self.stats.bytes_written += len(data)
+        self.stats.write_seconds += time.perf_counter() - start
+        return evicted
+
+    def delete(self, key: bytes) -> bool:
+        slot = self._key_to_slot.pop(key, None)
+        if slot is None:
+            return False
+        self._lru.pop(key)
+        self._free_slots.append(slot)
+        return True
+
+    def used_bytes(self) -> int:
+        return len(self._key_to_slot) * self.slot_bytes
+
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def close(self) -> None:
+        pass

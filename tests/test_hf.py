@@ -1,0 +1,161 @@
+"""TieredCache: lossless equality with DynamicCache, prefix reuse through the tiers, device budget."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvtier.hf import TieredCache
+from kvtier.manager import build_manager
+
+BLOCK = 16
+
+
+def _prompt(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (1, n), generator=g)
+
+
+def _greedy(loaded, ids, cache, n=12):
+    with torch.inference_mode():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                    max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _manager(tmp_path, loaded, tiers=("dram",)):
+    specs = {"dram": "dram:64MiB", "ssd": f"ssd:{tmp_path / 'ssd'}:64MiB"}
+    slot = loaded.kv_layout(BLOCK).block_bytes + 4096
+    return build_manager([specs[t] for t in tiers], slot_bytes=slot)
+
+
+def test_greedy_tokens_equal_dynamic_cache(tiny_model):
+    ids = _prompt(70)
+    expected = _greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), n=40)
+    got = _greedy(tiny_model, ids, TieredCache.for_model(tiny_model, block_tokens=BLOCK), n=40)
+    assert got == expected
+
+
+def test_cache_grows_in_place_and_holds_exact_kv(tiny_model):
+    ids = _prompt(300)
+    ref, ours = DynamicCache(config=tiny_model.config), TieredCache.for_model(tiny_model, block_tokens=BLOCK)
+    with torch.inference_mode():
+        tiny_model.model(ids, past_key_values=ref, use_cache=True)
+        tiny_model.model(ids, past_key_values=ours, use_cache=True)
+    assert ours.get_seq_length() == 300
+    for a, b in zip(ref.layers, ours.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_prefix_is_reused_from_dram_and_output_is_identical(tmp_path, tiny_model):
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(5 * BLOCK + 3)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert first.load_prefix(ids) == 0
+    out1 = _greedy(tiny_model, ids, first)
+    assert first.store(torch.cat([ids[0], torch.tensor(out1)])) == (5 * BLOCK + 3 + 12 - 1) // BLOCK
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == 5 * BLOCK
+    assert second.prefix.hit_tokens_by_tier == {"dram": 5 * BLOCK}
+    assert _greedy(tiny_model, ids, second) == out1
+    manager.close()
+
+
+def test_prompt_of_exact_blocks_still_computes_last_token(tmp_path, tiny_model):
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(4 * BLOCK)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    out1 = _greedy(tiny_model, ids, first)
+    first.store(ids[0])
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == 3 * BLOCK  # the 4th block holds the last prompt token
+    assert _greedy(tiny_model, ids, second) == out1
+    manager.close()
+
+
+def test_namespaces_do_not_share_prefixes(tmp_path, tiny_model):
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(3 * BLOCK + 1)
+    a = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, namespace="tenant-a")
+    _greedy(tiny_model, ids, a, n=2)
+    a.store(ids[0])
+    b = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, namespace="tenant-b")
+    assert b.load_prefix(ids) == 0
+    a2 = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, namespace="tenant-a")
+    assert a2.load_prefix(ids) == 3 * BLOCK
+    manager.close()
+
+
+def test_corrupt_ssd_block_is_recomputed_not_served(tmp_path, tiny_model):
+    manager = _manager(tmp_path, tiny_model, tiers=("ssd",))
+    ids = _prompt(4 * BLOCK + 1)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    out1 = _greedy(tiny_model, ids, first)
+    first.store(ids[0])
+    manager.flush()
+    files = sorted(p for p in (tmp_path / "ssd").rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert len(files) == 4
+    second_key_file = _file_of_block(tmp_path, tiny_model, ids, 2)
+    data = bytearray(second_key_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    second_key_file.write_bytes(bytes(data))
+    manager.close()
+    manager = _manager(tmp_path, tiny_model, tiers=("ssd",))
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == 2 * BLOCK  # blocks 0-1 served, block 2 corrupt -> recompute from there
+    assert manager.stats()["ssd"].corrupt == 1
+    assert _greedy(tiny_model, ids, second) == out1
+    manager.close()
+
+
+def _file_of_block(tmp_path, loaded, ids, index):
+    from kvtier.blocks import KeySpace, block_keys
+
+    space = KeySpace(loaded.fingerprint, loaded.kv_layout(BLOCK), "raw")
+    key_hex = block_keys(space, ids[0].tolist())[index].hex()
+    [path] = [p for p in (tmp_path / "ssd").rglob(f"*{key_hex}*") if p.is_file()]
+    return path
+
+
+def test_device_budget_offloads_excess_layers_and_keeps_tokens(tiny_model):
+    ids = _prompt(100)
+    per_layer_bytes = 2 * 2 * 16 * 4  # K+V x kv heads x head_dim x fp32 per token per layer
+    budget = per_layer_bytes * 180  # layer 0 (<=159 tokens) fits on the "device"; layer 1 goes to the host
+    expected = _greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), n=60)
+    cache = TieredCache.for_model(tiny_model, block_tokens=BLOCK, device_kv_budget_bytes=budget)
+    assert _greedy(tiny_model, ids, cache, n=60) == expected
+    assert cache.num_offloaded_layers == 1
+    assert cache.resident_bytes <= budget
+    assert cache.resident_bytes + cache.offloaded_bytes == per_layer_bytes * 2 * 159
+
+
+def test_second_process_hits_ssd_and_prints_same_text(tmp_path, tiny_model):
+    """`kvtier generate` twice as two processes on one --ssd-dir (tiny model, via a script)."""
+    script = f"""
+import json, sys, torch
+from kvtier import models
+from kvtier.generate_cli import run_generate
+from kvtier.manager import build_manager
+loaded = models.load("tiny", device="cpu")
+m = build_manager(["ssd:{tmp_path / 'ssd'}:64MiB"], slot_bytes=loaded.kv_layout({BLOCK}).block_bytes + 4096)
+ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))[0].tolist()
+r = run_generate(loaded, m, ids, max_new_tokens=8, block_tokens={BLOCK})
+m.flush(); m.close()
+print(json.dumps({{"text": r.text, "cached": r.cached_tokens, "hits": r.hit_tokens_by_tier}}))
+"""
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True) for _ in range(2)]
+    first, second = (__import__("json").loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first["cached"] == 0
+    assert second["cached"] == 5 * BLOCK and second["hits"] == {"ssd": 5 * BLOCK}
+    assert second["text"] == first["text"]
+
+
+@pytest.mark.smollm2
+def test_smollm2_tiered_equals_dynamic_cache(smollm2, shakespeare_text):
+    ids = smollm2.tokenizer(shakespeare_text[:3000], return_tensors="pt").input_ids[:, :600]
+    expected = _greedy(smollm2, ids, DynamicCache(config=smollm2.config), n=16)
+    assert _greedy(smollm2, ids, TieredCache.for_model(smollm2, block_tokens=256), n=16) == expected
