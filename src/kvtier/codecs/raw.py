@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvtier.blocks import KVLayout
@@ -29,7 +31,14 @@ class RawCodec:
         if hdr.codec != self.name:
             raise header.CorruptBlockError(f"foreign block: codec {hdr.codec!r}, expected {self.name!r}")
         payload = memoryview(buf)[header.HEADER_BYTES:]
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # one copy: the result owns its memory
+        if payload.readonly:
+            # Zero-copy view of an immutable buffer (the tensor keeps it alive). Callers copy out of
+            # it (TieredCache writes it into its layer buffers) and must not write into it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(payload, dtype=torch.uint8)
+        else:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)  # the caller may reuse its buffer
         kv = data.view(getattr(torch, hdr.dtype)).view(hdr.shape)
         return kv.to(device) if device is not None else kv
 

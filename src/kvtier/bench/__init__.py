@@ -1,0 +1,1 @@
+"""Benchmarks behind docs/BENCHMARKS.md (`kvtier bench ...`)."""
