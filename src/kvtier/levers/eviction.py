@@ -259,7 +259,7 @@ class EvictionCache(Cache):
 
     @classmethod
     def for_model(cls, loaded_or_model, policy: EvictionPolicy) -> "EvictionCache":
-        model = getattr(loaded_or_model, "model", loaded_or_model)
+        model = loaded_or_model if isinstance(loaded_or_model, torch.nn.Module) else loaded_or_model.model
         install_hooks(model)
         return cls(model.config, policy)
 

@@ -1,0 +1,106 @@
+"""`kvtier eval`: the quality cost of each lossy KV lever (quantization, eviction) on a real model."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from kvtier.errors import UserError
+
+DEFAULT_TEXT = Path(os.environ.get("KVTIER_SHARED_DATA", Path(__file__).resolve().parents[4] / "shared" / "data")) \
+    / "tinyshakespeare.txt"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids, for the tokenizer-less tiny test model (vocab 256)."""
+
+    class _Encoded:
+        def __init__(self, ids: list[int], as_tensor: bool) -> None:
+            import torch
+
+            self.input_ids = torch.tensor([ids]) if as_tensor else ids
+
+    def __call__(self, text: str, return_tensors: str | None = None, add_special_tokens: bool = True):
+        return self._Encoded(list(text.encode()), return_tensors == "pt")
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_command(
+        methods: str = typer.Option(",".join(_default_methods()), help="comma-separated methods"),
+        keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept"),
+        context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096"),
+        windows: int = typer.Option(2, help="perplexity windows per context length"),
+        chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk"),
+        passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
+        passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
+        model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
+        text: Path = typer.Option(DEFAULT_TEXT, help="text for perplexity"),
+        json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
+        plot_path: Path = typer.Option(None, "--plot", help="write quality vs compression to this PNG"),
+    ) -> None:
+        """Perplexity and passkey retrieval of every KV codec and eviction policy vs the full cache."""
+        from rich.console import Console
+
+        from kvtier.evals import report, runner
+
+        config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths)
+        if not text.is_file():
+            raise UserError(f"text file {text} not found")
+        err = Console(stderr=True)
+        started = time.monotonic()
+        loaded = _load(model)
+        tokenizer = loaded.tokenizer or ByteTokenizer()
+        loaded.tokenizer = tokenizer
+        token_ids = tokenizer(text.read_text(), return_tensors="pt").input_ids[0]
+        rows = runner.run_eval(loaded, config, token_ids,
+                               progress=lambda msg: err.log(f"[{time.monotonic() - started:6.0f}s] {msg}"))
+        title = (f"kvtier eval · {loaded.name} · ppl: {config.num_windows}×{config.context_tokens} tokens "
+                 f"(second half scored in {config.chunk_tokens}-token chunks) · passkey: "
+                 f"{len(config.passkey_depths)} depths × {config.passkey_lengths} tokens")
+        if plot_path:
+            report.plot(rows, plot_path, title)
+        if json_out:
+            json.dump(report.rows_to_json(rows), sys.stdout)
+            sys.stdout.write("\n")
+            return
+        console = Console() if sys.stdout.isatty() else Console(width=150)
+        console.print(report.table(rows, title))
+        for check in report.check_targets(rows):
+            console.print(f"{'MET' if check.met else 'NOT MET'}: {check.name} ({check.detail})")
+        if plot_path:
+            console.print(f"plot written to {plot_path}")
+
+
+def _default_methods() -> tuple[str, ...]:
+    from kvtier.evals.runner import DEFAULT_METHODS
+
+    return tuple(m for m in DEFAULT_METHODS if m != "raw")
+
+
+def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths):
+    if windows < 1 or chunk < 1:
+        raise UserError("--windows and --chunk must be positive")
+    depths = runner.parse_floats(passkey_depths, "--passkey-depths")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise UserError("--passkey-depths must be fractions in [0, 1]")
+    return runner.EvalConfig(
+        methods=runner.parse_methods(methods, keep),
+        context_tokens=runner.parse_ints(context, "--context"),
+        num_windows=windows, chunk_tokens=chunk,
+        passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
+        passkey_depths=depths)
+
+
+def _load(spec: str):
+    from kvtier import models
+
+    return models.load(spec, device="cpu" if spec.startswith("tiny") else None)

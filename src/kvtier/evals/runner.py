@@ -1,0 +1,323 @@
+"""The `kvtier eval` grid: every method on the same perplexity windows and passkey prompts.
+
+Each window / prompt is prefilled once in full precision (`prefill`); `fill` then writes that KV
+into each method's cache exactly as a prefill through the cache would have (quantizing it, or
+scoring and evicting it with the recorded query states), so the shared prefill costs one forward
+pass for the whole grid. The continuation (scored chunks, or cue + greedy answer) runs through each
+method's own cache. See `perplexity` and `passkey` for the two protocols.
+
+Sizes are those of a 16-bit (bf16/fp16) KV cache, the way models are served: full-precision
+tensors count 2 bytes per element whatever dtype the CPU run computes in; quantized payloads and
+their scales count what they store.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache, QuantizedCache
+from transformers.cache_utils import Cache
+
+from kvtier.errors import UserError
+from kvtier.evals import passkey as pk
+from kvtier.evals.perplexity import NLL, prefill_tokens, score_continuation, text_windows
+from kvtier.levers import eviction
+from kvtier.levers.eviction import EvictionCache, EvictionPolicy
+
+SERVED_BYTES_PER_ELEMENT = 2
+QUANT_METHODS = ("fp8", "int8", "int4", "int2")
+EVICTION_METHODS = eviction.POLICIES
+PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-fp8")
+ALL_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, *PEER_METHODS)
+DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2")
+QUANTO_GROUP_TOKENS = 64
+QUANTO_RESIDUAL_TOKENS = 128
+
+
+@dataclass(slots=True)
+class Method:
+    name: str
+    keep: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name if self.keep is None else f"{self.name}@{self.keep:g}"
+
+    def new_cache(self, model: torch.nn.Module) -> Cache:
+        if self.name == "raw":
+            return DynamicCache(config=model.config)
+        if self.name in QUANT_METHODS:
+            from kvtier.levers.quantized_cache import QuantizedKVCache
+
+            return QuantizedKVCache(model.config, self.name)
+        if self.name in EVICTION_METHODS:
+            return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep))
+        if self.name == "hf-fp8":
+            return QuantizedCache("fp8", model.config)
+        nbits = int(self.name.removeprefix("hf-quanto-int"))
+        return QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=QUANTO_GROUP_TOKENS,
+                              residual_length=QUANTO_RESIDUAL_TOKENS)
+
+
+def parse_methods(methods: str, keeps: str) -> list[Method]:
+    """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first)."""
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    unknown = [m for m in names if m not in ALL_METHODS]
+    if unknown:
+        raise UserError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(ALL_METHODS)}")
+    keep_values = parse_floats(keeps, "--keep")
+    if any(not 0.0 < k <= 1.0 for k in keep_values):
+        raise UserError("--keep values must be fractions in (0, 1]")
+    out = [Method("raw")]
+    for name in names:
+        if name in EVICTION_METHODS:
+            out += [Method(name, k) for k in keep_values]
+        elif name != "raw":
+            out.append(Method(name))
+    return out
+
+
+def parse_floats(text: str, option: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated numbers, got {text!r}") from None
+
+
+def parse_ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated integers, got {text!r}") from None
+    if any(v < 16 for v in values):
+        raise UserError(f"{option} values must be at least 16 tokens")
+    return values
+
+
+# -- the shared prefill ------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Prefill:
+    """One full-precision prefill: per-layer KV [B, Hkv, n, D] and post-RoPE queries [B, Hq, n, D]."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    queries: list[torch.Tensor] | None
+    scaling: float
+    scores: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+
+    def policy_scores(self, policy: EvictionPolicy) -> list[torch.Tensor | None]:
+        """Each layer's prefill scores for `policy` (they do not depend on the budget: computed once)."""
+        if policy.name not in self.scores:
+            self.scores[policy.name] = [
+                eviction.policy_scores(policy, q, k, self.scaling) if policy.needs_queries else None
+                for q, k in zip(self.queries, self.keys)]
+        return self.scores[policy.name]
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, token_ids: torch.Tensor, *, record_queries: bool) -> Prefill:
+    cache = DynamicCache(config=model.config)
+    modules = eviction.attention_modules(model)
+    queries: list[torch.Tensor | None] = [None] * len(modules)
+
+    def record(module, args, kwargs, output):
+        queries[module.layer_idx] = eviction.query_states(module, kwargs["hidden_states"],
+                                                          kwargs["position_embeddings"])
+
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in modules] if record_queries else []
+    try:
+        model(token_ids, past_key_values=cache, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return Prefill([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                   queries if record_queries else None, modules[0].scaling)
+
+
+@torch.inference_mode()
+def fill(cache: Cache, pre: Prefill) -> None:
+    """Write the prefill into `cache` as a forward pass through it would (then evict, if it evicts)."""
+    for idx, (k, v) in enumerate(zip(pre.keys, pre.values)):
+        cache.update(k, v, idx)
+    if isinstance(cache, EvictionCache):
+        for layer, scores in zip(cache.layers, pre.policy_scores(cache.policy)):
+            layer.apply_scores(scores)
+
+
+# -- sizes -------------------------------------------------------------------------------------
+
+def full_precision_bytes_per_token(config) -> int:
+    from kvtier.models import head_dim, num_kv_heads
+
+    return 2 * config.num_hidden_layers * num_kv_heads(config) * head_dim(config) * SERVED_BYTES_PER_ELEMENT
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Resident KV bytes of `cache`, full-precision parts counted at 16 bits."""
+    if hasattr(cache, "nbytes"):  # kvtier's QuantizedKVCache: exact payload + scale bytes
+        return cache.nbytes(SERVED_BYTES_PER_ELEMENT)
+    if isinstance(cache, QuantizedCache):
+        return sum(_hf_quantized_layer_bytes(layer) for layer in cache.layers)
+    return sum((layer.keys.numel() + layer.values.numel()) * SERVED_BYTES_PER_ELEMENT
+               for layer in cache.layers if layer.is_initialized)
+
+
+def _hf_quantized_layer_bytes(layer) -> int:
+    """transformers' quantized layers: quanto (`nbits`, a 16-bit scale and shift per group; its CPU
+    kernels keep one uint8 per element, packed storage being what a GPU deployment holds) or fp8."""
+    if not layer.is_initialized:
+        return 0
+    if not hasattr(layer, "nbits"):  # Fp8QuantizedLayer: 1 byte per element + a per-tensor scale each
+        return layer._quantized_keys[0].numel() + layer._quantized_values[0].numel() + 2 * 4
+    b, h, _, d = layer._quantized_keys.shape
+    elements_per_token = 2 * b * h * d
+    residual_tokens = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
+    quantized_tokens = layer.cumulative_length - residual_tokens
+    per_element = layer.nbits / 8 + 2 * SERVED_BYTES_PER_ELEMENT / layer.q_group_size
+    return math.ceil(quantized_tokens * elements_per_token * per_element) \
+        + residual_tokens * elements_per_token * SERVED_BYTES_PER_ELEMENT
+
+
+# -- the grid ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class EvalConfig:
+    methods: list[Method]
+    context_tokens: list[int] = field(default_factory=lambda: [2048])
+    num_windows: int = 2
+    chunk_tokens: int = 128
+    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    answer_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class EvalRow:
+    method: str
+    keep: float | None
+    label: str
+    bits_or_budget: str
+    bytes_per_token: float | None = None
+    compression: float | None = None
+    ppl: float | None = None
+    delta_ppl_pct: float | None = None
+    passkey_acc: float | None = None
+    ppl_by_context: dict[str, float] = field(default_factory=dict)
+    passkey_acc_by_length: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Tally:
+    nll_by_context: dict[int, NLL] = field(default_factory=dict)
+    bytes_per_token: list[float] = field(default_factory=list)
+    correct_by_length: dict[int, list[bool]] = field(default_factory=dict)
+    error: str | None = None
+
+
+Progress = Callable[[str], None]
+
+
+def run_eval(loaded, config: EvalConfig, token_ids: torch.Tensor | None, progress: Progress | None = None) -> list[EvalRow]:
+    """Run the grid. token_ids [N]: the perplexity text (None: skip perplexity)."""
+    model = loaded.model
+    tallies = {m.label: _Tally() for m in config.methods}
+    record = any(m.name in ("h2o", "snapkv") for m in config.methods)
+    progress = progress or (lambda _: None)
+    if token_ids is not None:
+        for ctx in config.context_tokens:
+            for w, window in enumerate(text_windows(token_ids, ctx, config.num_windows)):
+                progress(f"perplexity ctx={ctx} window {w + 1}/{config.num_windows}")
+                _perplexity_window(model, window.to(model.device), config, tallies, record, ctx)
+    if config.passkey_lengths and loaded.tokenizer is not None:
+        prompts = pk.make_prompts(loaded.tokenizer, config.passkey_lengths, config.passkey_depths, config.seed)
+        for i, prompt in enumerate(prompts):
+            progress(f"passkey {i + 1}/{len(prompts)} ({prompt.num_tokens} tokens, depth {prompt.depth:.0%})")
+            _passkey_prompt(loaded, prompt, config, tallies, record)
+    return _rows(config, tallies, full_precision_bytes_per_token(model.config))
+
+
+def _guarded(tally: _Tally, work: Callable[[], None]) -> None:
+    if tally.error is not None:
+        return
+    try:
+        work()
+    except Exception as exc:  # a peer backend that fails: reported in its row, the grid goes on
+        tally.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _perplexity_window(model, window, config: EvalConfig, tallies, record: bool, ctx: int) -> None:
+    num_prefill = prefill_tokens(ctx)
+    pre = prefill(model, window[:, :num_prefill], record_queries=record)
+    for method in config.methods:
+        tally = tallies[method.label]
+
+        def work(method=method, tally=tally):
+            cache = method.new_cache(model)
+            fill(cache, pre)
+            nll = score_continuation(model, cache, window[:, num_prefill:], config.chunk_tokens)
+            tally.nll_by_context.setdefault(ctx, NLL()).add(nll)
+            tally.bytes_per_token.append(kv_bytes(cache) / cache.get_seq_length())
+
+        _guarded(tally, work)
+
+
+def _passkey_prompt(loaded, prompt: pk.PasskeyPrompt, config: EvalConfig, tallies, record: bool) -> None:
+    model = loaded.model
+    pre = prefill(model, prompt.context_ids.to(model.device), record_queries=record)
+    for method in config.methods:
+        tally = tallies[method.label]
+
+        def work(method=method, tally=tally):
+            cache = method.new_cache(model)
+            fill(cache, pre)
+            answer = pk.greedy_answer(model, cache, prompt.cue_ids.to(model.device), config.answer_tokens)
+            correct = pk.is_correct(loaded.tokenizer.decode(answer), prompt.passkey)
+            tally.correct_by_length.setdefault(prompt.target_tokens, []).append(correct)
+
+        _guarded(tally, work)
+
+
+def _rows(config: EvalConfig, tallies: dict[str, _Tally], raw_bytes_per_token: int) -> list[EvalRow]:
+    reference = tallies["raw"]
+    rows = []
+    for method in config.methods:
+        tally = tallies[method.label]
+        row = EvalRow(method.name, method.keep, method.label, _bits_or_budget(method))
+        row.error = tally.error
+        if tally.error is None:
+            _fill_row(row, tally, reference, raw_bytes_per_token)
+        rows.append(row)
+    return rows
+
+
+def _fill_row(row: EvalRow, tally: _Tally, reference: _Tally, raw_bytes_per_token: int) -> None:
+    if tally.bytes_per_token:
+        row.bytes_per_token = round(sum(tally.bytes_per_token) / len(tally.bytes_per_token), 1)
+        row.compression = round(raw_bytes_per_token / row.bytes_per_token, 3)
+    if tally.nll_by_context:
+        total = NLL()
+        for ctx, nll in tally.nll_by_context.items():
+            total.add(nll)
+            row.ppl_by_context[str(ctx)] = round(nll.ppl, 4)
+        ref = NLL()
+        for nll in reference.nll_by_context.values():
+            ref.add(nll)
+        row.ppl = round(total.ppl, 4)
+        row.delta_ppl_pct = round(100.0 * (total.ppl / ref.ppl - 1.0), 3)
+    if tally.correct_by_length:
+        flat = [c for results in tally.correct_by_length.values() for c in results]
+        row.passkey_acc = round(sum(flat) / len(flat), 4)
+        row.passkey_acc_by_length = {str(n): round(sum(r) / len(r), 4) for n, r in tally.correct_by_length.items()}
+
+
+def _bits_or_budget(method: Method) -> str:
+    if method.keep is not None:
+        return f"keep {method.keep:.0%}"
+    return {"raw": "16-bit", "fp8": "8-bit fp", "int8": "8-bit", "int4": "4-bit", "int2": "2-bit",
+            "hf-quanto-int4": "4-bit", "hf-quanto-int2": "2-bit", "hf-fp8": "8-bit fp"}[method.name]
