@@ -65,7 +65,7 @@ def test_block_of_another_codec_is_foreign():
     from kvtier.codecs import header
 
     payload = bytes(64)
-    block = header.pack("int4", "float32", (1, 2, 1, 2, 4), payload) + payload
+    block = header.frame("int4", "float32", (1, 2, 1, 2, 4), payload)
     assert verify(block).codec == "int4"
     with pytest.raises(CorruptBlockError, match="foreign"):
         CODEC.decode(block)

@@ -1,21 +1,28 @@
 """Block codecs: how a block's KV becomes bytes in a tier, and back, verified.
 
-Implemented: `raw` (bit-exact). Planned (issue 3/5): fp8, int8, int4/int2 KIVI, `+zstd`.
+`get_codec("raw" | "fp8" | "int8" | "int4" | "int2", each optionally "+zstd")`. The quantizers
+themselves (usable on device tensors by a resident quantized cache) live in `codecs.quant`.
 """
 
 from __future__ import annotations
 
-from kvtier.codecs.header import CorruptBlockError, verify
-from kvtier.codecs.raw import RawCodec
+from kvtier.codecs.codec import Codec
+from kvtier.codecs.fp8 import Fp8Scheme
+from kvtier.codecs.header import ZSTD_SUFFIX, CorruptBlockError, Header, verify
+from kvtier.codecs.kivi import IntScheme
+from kvtier.codecs.raw import RawScheme
 from kvtier.errors import UserError
 
-_CODECS = {"raw": RawCodec}
+_SCHEMES = {"raw": RawScheme, "fp8": Fp8Scheme, "int8": lambda: IntScheme(8),
+            "int4": lambda: IntScheme(4), "int2": lambda: IntScheme(2)}
+CODEC_NAMES = tuple(name + suffix for suffix in ("", ZSTD_SUFFIX) for name in _SCHEMES)
 
 
-def get_codec(name: str):
-    if name not in _CODECS:
-        raise UserError(f"unknown or not yet implemented codec {name!r}: available {', '.join(_CODECS)}")
-    return _CODECS[name]()
+def get_codec(name: str) -> Codec:
+    base = name.removesuffix(ZSTD_SUFFIX)
+    if base not in _SCHEMES:
+        raise UserError(f"unknown codec {name!r}: use one of {', '.join(_SCHEMES)}, optionally with '+zstd'")
+    return Codec(_SCHEMES[base](), use_zstd=name.endswith(ZSTD_SUFFIX))
 
 
-__all__ = ["CorruptBlockError", "get_codec", "verify"]
+__all__ = ["CODEC_NAMES", "Codec", "CorruptBlockError", "Header", "get_codec", "verify"]

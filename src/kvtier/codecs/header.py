@@ -1,8 +1,12 @@
 """The block header: every stored block is self-describing and checksummed.
 
-Layout (little-endian, 64 bytes):
-    magic "KVTB" | version u16 | codec id u16 | dtype id u16 | reserved u16
-    shape 5 x u32 ([L, 2, H, T, D]) | payload length u64 | payload xxh3_64 u64 | header xxh3_64 u64
+Layout (little-endian, 64 bytes, so the payload starts 64-byte aligned within the block):
+    magic "KVTB" | version u16 | codec id u16 | flags u16 | dtype id u16 | group_tokens u16 |
+    group_size u16 | shape 5 x u32 ([L, 2, H, T, D]; T = the block's real token count, before any
+    padding to a quantization group) | reserved u32 | payload length u64 | payload xxh3_64 u64 |
+    header xxh3_64 u64 (over all the fields before it)
+flags: bit 0 = the payload went through zstd ("+zstd" codecs), bit 1 = zstd did not shrink it and it
+is stored as is. The payload checksum covers the payload as stored (compressed, for zstd).
 A block whose magic, version, codec, lengths or checksums disagree is *corrupt*: it is never
 decoded into KV; the reader treats it as a miss and recomputes.
 """
@@ -15,15 +19,19 @@ from dataclasses import dataclass
 import xxhash
 
 MAGIC = b"KVTB"
-VERSION = 1
-_FIELDS = struct.Struct("<4sHHHH5IQQ")
+VERSION = 2
+_FIELDS = struct.Struct("<4sHHHHHH5IIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_BYTES = _FIELDS.size + _CHECK.size
+assert HEADER_BYTES == 64, HEADER_BYTES
 
 CODEC_IDS = {"raw": 1, "fp8": 2, "int8": 3, "int4": 4, "int2": 5}
 DTYPE_IDS = {"float32": 1, "float16": 2, "bfloat16": 3}
+FLAG_ZSTD = 1
+FLAG_STORED = 2
 _ID_TO_CODEC = {v: k for k, v in CODEC_IDS.items()}
 _ID_TO_DTYPE = {v: k for k, v in DTYPE_IDS.items()}
+ZSTD_SUFFIX = "+zstd"
 
 
 class CorruptBlockError(ValueError):
@@ -32,27 +40,45 @@ class CorruptBlockError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    codec: str
-    dtype: str
+    codec: str                      # full codec name, "int4" or "int4+zstd"
+    dtype: str                      # the KV dtype the block decodes to
     shape: tuple[int, int, int, int, int]
-    payload_bytes: int
+    payload_bytes: int              # as stored
     payload_checksum: int
+    flags: int = 0
+    group_tokens: int = 0           # quantization groups (0 where the codec has none)
+    group_size: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[3]
 
 
-def pack(codec: str, dtype: str, shape: tuple[int, ...], payload: bytes | memoryview) -> bytes:
-    assert len(shape) == 5, shape
-    fields = _FIELDS.pack(MAGIC, VERSION, CODEC_IDS[codec], DTYPE_IDS[dtype], 0, *shape, len(payload),
-                          xxhash.xxh3_64_intdigest(payload))
+def pack(header: Header) -> bytes:
+    """The 64 header bytes for `header` (its payload_bytes/payload_checksum describe the payload)."""
+    assert len(header.shape) == 5, header.shape
+    base = header.codec.removesuffix(ZSTD_SUFFIX)
+    fields = _FIELDS.pack(MAGIC, VERSION, CODEC_IDS[base], header.flags, DTYPE_IDS[header.dtype],
+                          header.group_tokens, header.group_size, *header.shape, 0,
+                          header.payload_bytes, header.payload_checksum)
     return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def frame(codec: str, dtype: str, shape: tuple[int, ...], payload: bytes | memoryview, *,
+          flags: int = 0, group_tokens: int = 0, group_size: int = 0) -> bytes:
+    """header + payload, the payload checksummed (one copy of the payload)."""
+    hdr = Header(codec, dtype, tuple(shape), len(payload), xxhash.xxh3_64_intdigest(payload),
+                 flags, group_tokens, group_size)
+    return b"".join((pack(hdr), payload))
 
 
 def verify(buf: bytes | memoryview) -> Header:
     """Check the header and the payload checksum without decoding; raise CorruptBlockError."""
-    view = memoryview(buf)
+    view = memoryview(buf).cast("B")
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes, the header alone is {HEADER_BYTES}")
     fields = view[:_FIELDS.size]
-    magic, version, codec_id, dtype_id, _, *rest = _FIELDS.unpack(fields)
+    magic, version, codec_id, flags, dtype_id, group_tokens, group_size, *rest = _FIELDS.unpack(fields)
     if magic != MAGIC:
         raise CorruptBlockError("not a kvtier block (bad magic)")
     (header_sum,) = _CHECK.unpack(view[_FIELDS.size:HEADER_BYTES])
@@ -60,11 +86,12 @@ def verify(buf: bytes | memoryview) -> Header:
         raise CorruptBlockError("header checksum mismatch")
     if version != VERSION:
         raise CorruptBlockError(f"unsupported block format version {version}")
-    if codec_id not in _ID_TO_CODEC or dtype_id not in _ID_TO_DTYPE:
-        raise CorruptBlockError(f"unknown codec id {codec_id} or dtype id {dtype_id}")
-    shape, payload_bytes, payload_sum = tuple(rest[:5]), rest[5], rest[6]
+    if codec_id not in _ID_TO_CODEC or dtype_id not in _ID_TO_DTYPE or flags & ~(FLAG_ZSTD | FLAG_STORED):
+        raise CorruptBlockError(f"unknown codec id {codec_id}, dtype id {dtype_id} or flags {flags:#x}")
+    shape, payload_bytes, payload_sum = tuple(rest[:5]), rest[6], rest[7]
     if len(view) - HEADER_BYTES != payload_bytes:
         raise CorruptBlockError(f"payload is {len(view) - HEADER_BYTES} bytes, header says {payload_bytes}")
     if xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
         raise CorruptBlockError("payload checksum mismatch")
-    return Header(_ID_TO_CODEC[codec_id], _ID_TO_DTYPE[dtype_id], shape, payload_bytes, payload_sum)
+    codec = _ID_TO_CODEC[codec_id] + (ZSTD_SUFFIX if flags & FLAG_ZSTD else "")
+    return Header(codec, _ID_TO_DTYPE[dtype_id], shape, payload_bytes, payload_sum, flags, group_tokens, group_size)

@@ -1,0 +1,110 @@
+"""`Codec`: a payload scheme (raw, fp8, int8, KIVI) framed by the checksummed header, optionally zstd'd.
+
+A scheme turns kv [L, 2, H, T, D] into a few contiguous CPU tensors (the payload parts, fp16/fp32
+parts first so every part starts aligned to its element size) and back. The codec owns everything
+around it: input checks, the header, zstd, verification and the foreign-block check.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import xxhash
+
+from kvtier.blocks import KVLayout
+from kvtier.codecs import header, zstd
+from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, Header
+
+
+class Scheme(Protocol):
+    name: str                # "raw", "fp8", "int8", "int4", "int2"
+    lossless: bool
+    group_tokens: int        # recorded in the header (0 where unused)
+    group_size: int
+
+    def payload_bytes(self, shape: tuple[int, ...], dtype: str) -> int: ...
+    def encode_parts(self, kv: torch.Tensor) -> list[torch.Tensor]: ...
+    def decode_payload(self, hdr: Header, payload: memoryview | bytes, device) -> torch.Tensor: ...
+
+
+class Codec:
+    """encode(kv [L, 2, H, T, D]) -> header + payload bytes; decode(buf) -> kv, verified first."""
+
+    def __init__(self, scheme: Scheme, use_zstd: bool = False) -> None:
+        self.scheme = scheme
+        self.use_zstd = use_zstd
+        self.name = scheme.name + (header.ZSTD_SUFFIX if use_zstd else "")
+        self.lossless = scheme.lossless
+
+    def __repr__(self) -> str:
+        return f"Codec({self.name!r})"
+
+    def encode(self, kv: torch.Tensor) -> bytes:
+        dtype = _check_kv(kv)
+        parts = [_byte_view(p) for p in self.scheme.encode_parts(kv.detach())]
+        flags = 0
+        if self.use_zstd:
+            plain = b"".join(parts)
+            packed = zstd.compress(plain)
+            flags = header.FLAG_ZSTD
+            if len(packed) >= len(plain):  # incompressible: store as is, so max_encoded_bytes holds
+                flags |= header.FLAG_STORED
+            parts = [plain if flags & header.FLAG_STORED else packed]
+        checksum = xxhash.xxh3_64()
+        for part in parts:
+            checksum.update(part)
+        hdr = Header(self.name, dtype, tuple(kv.shape), sum(len(p) for p in parts), checksum.intdigest(),
+                     flags, self.scheme.group_tokens, self.scheme.group_size)
+        return b"".join((header.pack(hdr), *parts))
+
+    def decode(self, buf: bytes | memoryview, device: torch.device | str | None = None) -> torch.Tensor:
+        """Verify, then decode. A corrupt, truncated or foreign block raises CorruptBlockError."""
+        hdr = header.verify(buf)
+        params = (self.scheme.group_tokens, self.scheme.group_size)
+        if hdr.codec != self.name or (hdr.group_tokens, hdr.group_size) != params:
+            raise CorruptBlockError(f"foreign block: codec {hdr.codec!r} groups {hdr.group_tokens}/{hdr.group_size}, "
+                                    f"expected {self.name!r} groups {params[0]}/{params[1]}")
+        expected_bytes = self.scheme.payload_bytes(hdr.shape, hdr.dtype)
+        payload = memoryview(buf).cast("B")[HEADER_BYTES:]
+        if hdr.flags & header.FLAG_ZSTD and not hdr.flags & header.FLAG_STORED:
+            payload = zstd.decompress(payload, expected_bytes)
+        if len(payload) != expected_bytes:
+            raise CorruptBlockError(f"payload is {len(payload)} bytes, shape {hdr.shape} needs {expected_bytes}")
+        return self.scheme.decode_payload(hdr, payload, device)
+
+    def max_encoded_bytes(self, layout: KVLayout) -> int:
+        """Exact for codecs without zstd; an upper bound with it (incompressible payloads are stored)."""
+        return HEADER_BYTES + self.scheme.payload_bytes(layout.block_shape, layout.dtype)
+
+    def bytes_per_token(self, layout: KVLayout) -> float:
+        """Payload bytes (codes + scales, no header, before zstd) per token of a full block."""
+        return self.scheme.payload_bytes(layout.block_shape, layout.dtype) / layout.block_tokens
+
+
+def _check_kv(kv: torch.Tensor) -> str:
+    dtype = str(kv.dtype).removeprefix("torch.")
+    if dtype not in header.DTYPE_IDS or kv.dim() != 5 or kv.shape[1] != 2 or kv.numel() == 0:
+        raise ValueError(f"codecs take a non-empty fp32/fp16/bf16 tensor [L, 2, H, T, D], "
+                         f"got {kv.dtype} {tuple(kv.shape)}")
+    return dtype
+
+
+def _byte_view(part: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16/fp8 included)."""
+    assert part.device.type == "cpu" and part.is_contiguous(), (part.device, part.stride())
+    return memoryview(part.view(torch.uint8).numpy()).cast("B")
+
+
+def frombuffer(payload: memoryview | bytes) -> torch.Tensor:
+    """uint8 tensor over the payload without a copy (read-only buffers too: decoders only read it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we never write into it
+        return torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def take(data: torch.Tensor, offset: int, num_bytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A typed view of data[offset:offset + num_bytes] (offset aligned to the dtype by the part order)."""
+    return data[offset:offset + num_bytes].view(dtype).view(shape)
