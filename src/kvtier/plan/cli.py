@@ -1,4 +1,4 @@
-"""`kvtier plan` command."""
+"""`kvtier plan`: will it fit, and if not, where does the overflow go."""
 
 from __future__ import annotations
 
@@ -13,46 +13,50 @@ from kvtier.errors import UserError
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_command(
-        model: str = typer.Option(..., help="catalog name, config.json path or .gguf file"),
-        context: str = typer.Option("8k", help="context length, e.g. 128k"),
+        model: str = typer.Option(..., help="catalog name (e.g. llama-3.1-70b), config.json path or .gguf file"),
+        context: str = typer.Option("8k", help="context length per request, e.g. 128k (k = 1024)"),
         concurrency: str = typer.Option("1", help="concurrent requests"),
         gpu: str = typer.Option("h100", help="accelerator from the catalog"),
-        gpu_mem: str = typer.Option(None, help="HBM per GPU for an accelerator not in the catalog, e.g. 96GB"),
+        gpu_mem: str = typer.Option(None, help="memory per GPU for an accelerator not in the catalog, e.g. 96GB "
+                                               "(bandwidth, FLOP/s and TDP stay those of --gpu)"),
         kv_dtype: str = typer.Option("bf16", help="fp32, bf16, fp16, fp8, int8, int4"),
         weight_dtype: str = typer.Option("bf16", help="fp32, bf16, fp16, fp8, int8, int4"),
         tp: int = typer.Option(1, help="tensor-parallel ranks"),
         gpu_mem_util: float = typer.Option(0.9, help="fraction of HBM the server may use (vLLM's 0.9)"),
         ttft_target: float = typer.Option(1.0, help="seconds within which a cached prefix must be restored"),
+        host_mem: str = typer.Option("2TiB", help="host DRAM per node, for the tier plan"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
-        plot_path: str = typer.Option(None, "--plot", help="write memory vs context to this PNG"),
+        plot_path: str = typer.Option(None, "--plot", help="write memory vs context length to this PNG"),
     ) -> None:
         """Will this model, context and concurrency fit; what spills, where, and what it takes."""
-        from dataclasses import replace
-
         from kvtier.plan import gpu_spec, model_spec, plan
-        from kvtier.plan.specs import GPUSpec
+        from kvtier.plan.catalog_gpus import with_memory
         from kvtier.units import parse_bytes, parse_count
 
         spec = model_spec(model)
         accel = gpu_spec(gpu)
-        if gpu_mem:
-            accel = replace(accel, name=f"{accel.name} ({gpu_mem})", hbm_bytes=parse_bytes(gpu_mem)) \
-                if isinstance(accel, GPUSpec) else accel
-        if tp <= 0:
-            raise UserError("--tp must be positive")
+        if gpu_mem is not None:
+            accel = with_memory(accel, parse_bytes(gpu_mem))
         result = plan(spec, accel, context=parse_count(context), concurrency=parse_count(concurrency),
                       kv_dtype=kv_dtype, weight_dtype=weight_dtype, tp=tp, gpu_mem_util=gpu_mem_util,
-                      ttft_target_s=ttft_target)
+                      ttft_target_s=ttft_target, host_mem_bytes_per_node=parse_bytes(host_mem))
         if plot_path:
-            from kvtier.plan.report import plot
-
-            plot(spec, accel, result, plot_path)
+            _plot(spec, result, plot_path)
         if json_out:
             json.dump(result.to_dict(), sys.stdout)
             sys.stdout.write("\n")
-        else:
-            from kvtier.plan.report import render
+            return
+        from kvtier.plan.report import render
 
-            render(result)
-            if plot_path:
-                print(f"plot written to {plot_path}")
+        render(result)
+        if plot_path:
+            print(f"plot written to {plot_path}")
+
+
+def _plot(spec, result, path: str) -> None:
+    from kvtier.plan.plot import plot
+
+    try:
+        plot(spec, result, path)
+    except OSError as exc:
+        raise UserError(f"cannot write plot {path!r}: {exc.strerror or exc}") from None

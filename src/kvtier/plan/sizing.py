@@ -15,8 +15,18 @@ import math
 from dataclasses import asdict, dataclass
 
 from kvtier.errors import UserError
-from kvtier.plan.specs import GPUSpec, ModelSpec
+from kvtier.plan.catalog_gpus import gpu_spec
+from kvtier.plan.catalog_models import model_spec
+from kvtier.plan.specs import GPUSpec, ModelSpec, kv_dtype_note
 
+ESTIMATES = {
+    "activations": "one 8192-token chunked-prefill step (vLLM's max_num_batched_tokens) x "
+                   "(4*hidden + 2*intermediate/tp) bf16 values per token, + fp32 logits per sequence",
+    "overhead": "1 GiB per GPU: CUDA context, cuBLAS/NCCL workspaces, allocator slack",
+    "decode_tokens_per_s": "HBM bandwidth / bytes one decode step reads (active weights + all KV), x concurrency; "
+                           "an upper bound (MoE batches touch more than the active experts)",
+    "kv_dtype": "quantized KV counts its scales: int8 + 4/head_dim B, int4 + 0.125 B per element",
+}
 GIB = 2**30
 OVERHEAD_BYTES = 1 * GIB
 MAX_BATCHED_TOKENS = 8192
@@ -26,6 +36,8 @@ PCIE5_X16 = 64e9          # host DRAM -> GPU
 RDMA_400G = 50e9          # pooled memory (Mooncake over RDMA) -> GPU, one 400 Gb/s NIC per GPU
 NVME_SEQ = 7e9            # local NVMe SSD, sequential read
 POWER_FACTORS = (2.5, 3.0)  # facility watts per GPU TDP watt (host, network, cooling)
+HOST_MEM_BYTES_PER_NODE = 2 * 2**40  # a typical 8-GPU node's DRAM (2 TiB)
+HOST_KV_FRACTION = 0.8               # of host DRAM given to KV (the rest: OS, pinned buffers, the server)
 
 
 @dataclass(slots=True)
@@ -39,8 +51,8 @@ class PlanResult:
     tp: int
     gpu_mem_bytes: int
     usable_bytes: float
-    kv_bytes_per_token: float
-    kv_bytes_per_request: float
+    kv_bytes_per_token: float      # one GPU rank; with sliding layers, the average at `context`
+    kv_bytes_per_request: float    # all TP ranks (replicated heads / MLA latents counted on each)
     kv_bytes_total: float          # all sequences, all TP ranks
     kv_bytes_per_gpu: float
     weights_bytes: float           # all parameters
@@ -63,6 +75,7 @@ class PlanResult:
     nodes: int
     facility_watts: tuple
     notes: list
+    estimates: dict                # how activations, overhead and the decode bound are estimated
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,14 +103,30 @@ def _max_context(model: ModelSpec, kv_budget: float, concurrency: int, kv_dtype:
     return lo
 
 
-def plan(model: ModelSpec, gpu: GPUSpec, *, context: int, concurrency: int, kv_dtype: str = "bf16",
-         weight_dtype: str = "bf16", tp: int = 1, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
-         host_mem_bytes_per_node: float = 2 * 2**40) -> PlanResult:
-    if context <= 0 or concurrency <= 0 or tp <= 0:
-        raise UserError("context, concurrency and tp must be positive")
+def _check(context: int, concurrency: int, tp: int, gpu_mem_util: float, ttft_target_s: float,
+           host_mem_bytes_per_node: float) -> None:
+    for name, value in (("context", context), ("concurrency", concurrency), ("tp", tp)):
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"{name} must be a positive integer, got {value!r}")
     if not 0 < gpu_mem_util <= 1:
         raise UserError(f"--gpu-mem-util must be in (0, 1], got {gpu_mem_util}")
-    notes = []
+    if not ttft_target_s > 0:
+        raise UserError(f"--ttft-target must be positive seconds, got {ttft_target_s}")
+    if not host_mem_bytes_per_node > 0:
+        raise UserError(f"--host-mem must be positive, got {host_mem_bytes_per_node}")
+
+
+def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrency: int, kv_dtype: str = "bf16",
+         weight_dtype: str = "bf16", tp: int = 1, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
+         host_mem_bytes_per_node: float = HOST_MEM_BYTES_PER_NODE) -> PlanResult:
+    """Size `concurrency` requests of `context` tokens for `model` on `gpu` x `tp` (one replica),
+    then the tiers for what spills and the cluster that would hold it all in HBM."""
+    if isinstance(model, str):
+        model = model_spec(model)
+    if isinstance(gpu, str):
+        gpu = gpu_spec(gpu)
+    _check(context, concurrency, tp, gpu_mem_util, ttft_target_s, host_mem_bytes_per_node)
+    notes = [f"KV {kv_dtype_note(kv_dtype)}"]
     if context > model.max_context:
         notes.append(f"context {context} exceeds the model's {model.max_context}")
     if tp > model.num_kv_heads and not model.is_mla:
@@ -112,6 +141,9 @@ def plan(model: ModelSpec, gpu: GPUSpec, *, context: int, concurrency: int, kv_d
     act = _activations(model, concurrency, tp)
     fixed = weights_gpu + act + OVERHEAD_BYTES
     kv_capacity = max(0.0, usable - fixed)
+    if kv_capacity == 0:
+        notes.append(f"weights + activations + overhead alone exceed the usable HBM per GPU: raise --tp "
+                     f"or lower --weight-dtype (no replica can be built, so the cluster size is 0)")
     needed = fixed + kv_gpu
     max_conc = int(kv_capacity // kv_req) if kv_req else 0
     spill = max(0.0, kv_gpu - kv_capacity) * tp
@@ -135,18 +167,19 @@ def plan(model: ModelSpec, gpu: GPUSpec, *, context: int, concurrency: int, kv_d
         tier_plan=_tier_plan(spill, tp, host_mem_bytes_per_node, restore_bw),
         decode_tokens_per_s=concurrency * gpu.hbm_bandwidth_bytes_s / step_bytes,
         replicas=replicas, gpus=gpus, nodes=math.ceil(gpus / GPUS_PER_NODE) if gpus else 0,
-        facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes)
+        facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes, estimates=ESTIMATES)
 
 
 def _tier_plan(spill: float, tp: int, host_mem_per_node: float, restore_bw: float) -> dict:
-    """Where the spilled KV of one replica goes: host DRAM first (80% of it usable for KV),
-    then a pool shared by the nodes, then local SSD. Fabric checks compare the restore bandwidth
-    one GPU needs against what each tier can deliver per GPU."""
+    """Where the spilled KV of one replica goes. Host DRAM of the replica's nodes first
+    (HOST_KV_FRACTION of it); what DRAM cannot hold lives in the pool (Mooncake Store / Redis, shared
+    by the nodes); local SSD keeps a copy of all spilled KV (the manager writes through to the lowest
+    tier), split over the replica's nodes. The `*_meets_ttft` checks compare the restore bandwidth one
+    GPU needs with what each tier's fabric delivers per GPU."""
     nodes = max(1, math.ceil(tp / GPUS_PER_NODE))
-    dram = min(spill, 0.8 * host_mem_per_node * nodes)
-    rest = spill - dram
+    dram = min(spill, HOST_KV_FRACTION * host_mem_per_node * nodes)
     return {
-        "host_dram_bytes_per_node": dram / nodes, "pool_bytes": rest, "ssd_bytes_per_node": rest / nodes,
+        "host_dram_bytes_per_node": dram / nodes, "pool_bytes": spill - dram, "ssd_bytes_per_node": spill / nodes,
         "dram_meets_ttft": PCIE5_X16 >= restore_bw, "pool_meets_ttft": RDMA_400G >= restore_bw,
         "ssd_meets_ttft": NVME_SEQ >= restore_bw,
     }

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvtier.errors import UserError
+
 # Bytes per KV element, quantization metadata included:
 #   fp8  (e4m3): 1 byte + one fp32 scale per (layer, K/V) tensor: negligible, counted as 0.
 #   int8: 1 byte + an fp16 scale and zero per token per head (head_dim elements): 1 + 4/head_dim.
@@ -15,10 +17,22 @@ KV_DTYPES = tuple(_KV_BASE_BYTES)
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
 
 
+_KV_DTYPE_NOTES = {
+    "fp32": "fp32, 4 B/element", "bf16": "bf16, 2 B/element", "fp16": "fp16, 2 B/element",
+    "fp8": "fp8 e4m3, 1 B/element (one fp32 scale per layer tensor, not counted)",
+    "int8": "int8, 1 B/element + fp16 scale and zero per token per head (4/head_dim B)",
+    "int4": "int4, 0.5 B/element + fp16 scale and zero per 32-element group (0.125 B)",
+}
+
+
+def kv_dtype_note(kv_dtype: str) -> str:
+    """How a KV precision is charged, scale overhead included (printed with every plan)."""
+    kv_element_bytes(kv_dtype, 1)  # validates
+    return _KV_DTYPE_NOTES[kv_dtype]
+
+
 def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
     if kv_dtype not in _KV_BASE_BYTES:
-        from kvtier.errors import UserError
-
         raise UserError(f"unknown KV dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
     if kv_dtype == "int8":
         return 1.0 + 4.0 / head_dim
@@ -88,8 +102,6 @@ class ModelSpec:
     def weights_bytes(self, dtype: str = "bf16") -> float:
         """All parameters (MoE: every expert) at `dtype`."""
         if dtype not in WEIGHT_BYTES:
-            from kvtier.errors import UserError
-
             raise UserError(f"unknown weight dtype {dtype!r}: use one of {', '.join(WEIGHT_BYTES)}")
         return self.params_total * WEIGHT_BYTES[dtype]
 
