@@ -76,10 +76,15 @@ def test_full_or_read_only_disk_turns_writes_off(tmp_path, monkeypatch, caplog, 
 
     monkeypatch.setattr(DiskTier, "_write", staticmethod(fail))
     tier.put_many([(K[1], _block(1)), (K[2], _block(2))])
-    assert not tier.writable and tier.stats.errors == 1
+    assert not tier.healthy and tier.stats.errors == 1
     assert tier.contains_many([K[0], K[1], K[2]]) == [True, False, False]
     assert tier.get_many([K[0]]) == [_block(0)]  # reads keep working
     assert sum("no more writes" in r.message for r in caplog.records) == 1
+    assert not tier.reconnect()  # the probe write fails too
+    monkeypatch.undo()
+    assert tier.reconnect() and tier.healthy  # the disk has room again: puts resume
+    tier.put_many([(K[1], _block(1))])
+    assert tier.get_many([K[1]]) == [_block(1)]
 
 
 def test_tier_specs():

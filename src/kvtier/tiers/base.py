@@ -21,14 +21,20 @@ class TierStats:
 
 
 class Tier(Protocol):
-    name: str
-    capacity_bytes: int | None
+    """A block store. Never raises on I/O failure: it counts an error, turns `healthy` off, and
+    answers misses / drops puts until `reconnect()` (called by the manager after a back-off)
+    succeeds."""
+
+    name: str                      # "dram", "ssd", "mooncake", "redis"
+    capacity_bytes: int | None     # None: the backend owns eviction (pools)
     stats: TierStats
     healthy: bool
 
     def contains_many(self, keys: list[bytes]) -> list[bool]: ...
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]: ...
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...        # None = miss
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]: ...  # evicted, LRU first
     def delete(self, key: bytes) -> bool: ...
     def used_bytes(self) -> int: ...
+    def num_blocks(self) -> int: ...
+    def reconnect(self) -> bool: ...  # try to become healthy again; returns `healthy`
     def close(self) -> None: ...

@@ -3,8 +3,10 @@
 A block is written to a temporary file, fsynced and renamed into place (`os.replace` is atomic),
 so a crash never leaves a half-written block under a real name; the header checksum catches
 anything else. On open the directory is scanned: yesterday's blocks are found again, in mtime
-(LRU) order, and leftover temporary files are removed. A full (ENOSPC) or read-only disk turns
-the tier's puts off with one warning; reads of what is there keep working.
+(LRU) order, and leftover temporary files are removed. A block another live process wrote into
+the same directory after our scan is adopted on first lookup. A full (ENOSPC) or read-only disk
+marks the tier unhealthy with one warning and turns its puts off; reads of what is there keep
+working, and `reconnect()` (the manager's retry) probes with a tiny write.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kvtier.tiers.base import TierStats
 log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _BLOCK_SUFFIX = ".kvb"
+_PROBE_NAME = ".kvtier-probe"
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
 
@@ -34,7 +37,6 @@ class DiskTier:
         self._lru = LRUIndex(capacity_bytes)
         self.stats = TierStats()
         self.healthy = True
-        self.writable = True
         self._scan()
 
     def _path(self, key: bytes) -> Path:
@@ -54,14 +56,25 @@ class DiskTier:
                 self._path(victim).unlink(missing_ok=True)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        return [key in self._lru for key in keys]
+        return [key in self._lru or self._adopt(key) for key in keys]
+
+    def _adopt(self, key: bytes) -> bool:
+        """A block file another process wrote after our scan: take it into the index."""
+        try:
+            size = self._path(key).stat().st_size
+        except OSError:
+            return False
+        for victim, _ in self._lru.insert(key, size) or []:
+            self._path(victim).unlink(missing_ok=True)
+            self.stats.evictions += 1
+        return key in self._lru
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         start = time.perf_counter()
         out: list[bytes | None] = []
         for key in keys:
             data = None
-            if key in self._lru:
+            if key in self._lru or self._adopt(key):
                 try:
                     data = self._path(key).read_bytes()
                 except OSError:
@@ -81,8 +94,8 @@ class DiskTier:
         """Write blocks; evicted blocks are deleted (the SSD is the last tier), so none are returned."""
         start = time.perf_counter()
         for key, data in items:
-            if not self.writable:
-                return []
+            if not self.healthy:
+                break
             if key in self._lru:
                 self._lru.touch(key)
                 continue
@@ -105,7 +118,7 @@ class DiskTier:
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(exist_ok=True)  # shard directory: first two hex digits of the key
         tmp = path.with_name(path.name + _TMP_SUFFIX)
         try:
             with open(tmp, "wb") as f:
@@ -120,8 +133,21 @@ class DiskTier:
     def _on_write_error(self, exc: OSError) -> None:
         self.stats.errors += 1
         if exc.errno in _DISABLING_ERRNOS:
-            self.writable = False
-            log.warning("ssd tier %s: %s; no more writes to this tier", self.directory, exc)
+            self.healthy = False
+            log.warning("ssd tier %s: %s; no more writes to this tier until a probe write succeeds",
+                        self.directory, exc)
+
+    def reconnect(self) -> bool:
+        """Probe with a tiny atomic write; success turns puts back on."""
+        if not self.healthy:
+            try:
+                self._write(self.directory / _PROBE_NAME, b"ok")
+                (self.directory / _PROBE_NAME).unlink()
+                self.healthy = True
+                log.warning("ssd tier %s: writable again", self.directory)
+            except OSError:
+                pass
+        return self.healthy
 
     def delete(self, key: bytes) -> bool:
         if self._lru.pop(key) is None:
@@ -131,6 +157,9 @@ class DiskTier:
 
     def used_bytes(self) -> int:
         return self._lru.used
+
+    def num_blocks(self) -> int:
+        return len(self._lru)
 
     def close(self) -> None:
         pass

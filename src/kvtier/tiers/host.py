@@ -89,13 +89,20 @@ class HostTier:
             return False
         self._lru.pop(key)
         self._free_slots.append(slot)
+        self._slot_len[slot] = 0
         return True
 
     def used_bytes(self) -> int:
         return len(self._key_to_slot) * self.slot_bytes
 
+    def num_blocks(self) -> int:
+        return len(self._key_to_slot)
+
     def num_free_slots(self) -> int:
         return len(self._free_slots)
+
+    def reconnect(self) -> bool:
+        return True  # memory does not fail
 
     def close(self) -> None:
         pass
