@@ -4,18 +4,19 @@ on the embedded SmolLM2, the KV bytes it really held, and the `kvtier plan` answ
 from __future__ import annotations
 
 import time
-from pathlib import Path
-
 import typer
+
+from kvtier.data import SHAKESPEARE, shared_data_file
 
 DEFAULT_PROMPT_CHARS = 2500
 
 
 def _default_prompt() -> str:
-    repo_data = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
-    if repo_data.is_file():
-        return repo_data.read_text()[:DEFAULT_PROMPT_CHARS] + "\n\nSummarise the scene above in one sentence:"
-    return "Explain in two sentences why the KV cache of a language model grows with the context length."
+    try:
+        text = shared_data_file(SHAKESPEARE).read_text()
+    except FileNotFoundError:
+        return "Explain in two sentences why the KV cache of a language model grows with the context length."
+    return text[:DEFAULT_PROMPT_CHARS] + "\n\nSummarise the scene above in one sentence:"
 
 
 def register(app: typer.Typer) -> None:

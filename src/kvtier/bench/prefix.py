@@ -72,14 +72,14 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd"), rep
         block_tokens: int = 256, ssd_dir: str | None = None) -> list[PrefixRow]:
     """The whole benchmark on SmolLM2 and tinyshakespeare; returns one row per tier plus recompute."""
     import tempfile
-    from pathlib import Path
 
     from kvtier import models
     from kvtier.codecs import get_codec
+    from kvtier.data import SHAKESPEARE, shared_data_file
     from kvtier.manager import build_manager
 
     loaded = models.load("smollm2")
-    text = (Path(__file__).resolve().parents[4] / "shared" / "data" / "tinyshakespeare.txt").read_text()[:prefix_tokens * 8]
+    text = shared_data_file(SHAKESPEARE).read_text()[:prefix_tokens * 8]
     ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, :prefix_tokens + 1]
     token, recompute_s = measure_recompute(loaded, ids, repeats)
     rows = [PrefixRow("recompute", prefix_tokens, 0, recompute_s, 1.0, 0.0)]

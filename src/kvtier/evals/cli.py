@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,8 +11,6 @@ import typer
 
 from kvtier.errors import UserError
 
-DEFAULT_TEXT = Path(os.environ.get("KVTIER_SHARED_DATA", Path(__file__).resolve().parents[4] / "shared" / "data")) \
-    / "tinyshakespeare.txt"
 
 
 class ByteTokenizer:
@@ -43,7 +40,7 @@ def register(app: typer.Typer) -> None:
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
         model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
-        text: Path = typer.Option(DEFAULT_TEXT, help="text for perplexity"),
+        text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
         plot_path: Path = typer.Option(None, "--plot", help="write quality vs compression to this PNG"),
     ) -> None:
@@ -53,6 +50,10 @@ def register(app: typer.Typer) -> None:
         from kvtier.evals import report, runner
 
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths)
+        if text is None:
+            from kvtier.data import SHAKESPEARE, shared_data_file
+
+            text = shared_data_file(SHAKESPEARE)
         if not text.is_file():
             raise UserError(f"text file {text} not found")
         err = Console(stderr=True)

@@ -30,11 +30,12 @@ from kvtier.levers.eviction import EvictionCache, EvictionPolicy
 SERVED_BYTES_PER_ELEMENT = 2
 QUANT_METHODS = ("fp8", "int8", "int4", "int2")
 EVICTION_METHODS = eviction.POLICIES
-PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-fp8")
+PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-hqq-int2", "hf-fp8")
 ALL_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, *PEER_METHODS)
-DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2")
-QUANTO_GROUP_TOKENS = 64
-QUANTO_RESIDUAL_TOKENS = 128
+DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4",
+                   "hf-hqq-int2")
+HF_GROUP_TOKENS = 64
+HF_RESIDUAL_TOKENS = 128
 
 
 @dataclass(slots=True)
@@ -57,9 +58,10 @@ class Method:
             return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep))
         if self.name == "hf-fp8":
             return QuantizedCache("fp8", model.config)
-        nbits = int(self.name.removeprefix("hf-quanto-int"))
-        return QuantizedCache("quanto", model.config, nbits=nbits, q_group_size=QUANTO_GROUP_TOKENS,
-                              residual_length=QUANTO_RESIDUAL_TOKENS)
+        backend, bits = self.name.removeprefix("hf-").split("-int")
+        # axis 0 (transformers' default) for both backends: HQQ's 2-bit packing fails on axis 1 here
+        return QuantizedCache(backend, model.config, nbits=int(bits), axis_key=0, axis_value=0,
+                              q_group_size=HF_GROUP_TOKENS, residual_length=HF_RESIDUAL_TOKENS)
 
 
 def parse_methods(methods: str, keeps: str) -> list[Method]:
@@ -156,25 +158,26 @@ def full_precision_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * num_kv_heads(config) * head_dim(config) * SERVED_BYTES_PER_ELEMENT
 
 
-def kv_bytes(cache: Cache) -> int:
+def kv_bytes(cache: Cache, config) -> int:
     """Resident KV bytes of `cache`, full-precision parts counted at 16 bits."""
     if hasattr(cache, "nbytes"):  # kvtier's QuantizedKVCache: exact payload + scale bytes
         return cache.nbytes(SERVED_BYTES_PER_ELEMENT)
     if isinstance(cache, QuantizedCache):
-        return sum(_hf_quantized_layer_bytes(layer) for layer in cache.layers)
+        elements_per_token = full_precision_bytes_per_token(config) // SERVED_BYTES_PER_ELEMENT \
+            // config.num_hidden_layers
+        return sum(_hf_quantized_layer_bytes(layer, elements_per_token) for layer in cache.layers)
     return sum((layer.keys.numel() + layer.values.numel()) * SERVED_BYTES_PER_ELEMENT
                for layer in cache.layers if layer.is_initialized)
 
 
-def _hf_quantized_layer_bytes(layer) -> int:
-    """transformers' quantized layers: quanto (`nbits`, a 16-bit scale and shift per group; its CPU
-    kernels keep one uint8 per element, packed storage being what a GPU deployment holds) or fp8."""
+def _hf_quantized_layer_bytes(layer, elements_per_token: int) -> int:
+    """transformers' quantized layers (batch 1). quanto / HQQ: `nbits` per element + a 16-bit scale
+    and zero point per group (HQQ packs bits; quanto's CPU path keeps one uint8 per element, packed
+    storage being what a GPU deployment holds) + the 16-bit residual. fp8: 1 byte per element."""
     if not layer.is_initialized:
         return 0
-    if not hasattr(layer, "nbits"):  # Fp8QuantizedLayer: 1 byte per element + a per-tensor scale each
+    if not hasattr(layer, "nbits"):  # Fp8QuantizedLayer: per-tensor scales, no residual
         return layer._quantized_keys[0].numel() + layer._quantized_values[0].numel() + 2 * 4
-    b, h, _, d = layer._quantized_keys.shape
-    elements_per_token = 2 * b * h * d
     residual_tokens = layer.keys.shape[-2] if layer.keys.dim() == 4 else 0
     quantized_tokens = layer.cumulative_length - residual_tokens
     per_element = layer.nbits / 8 + 2 * SERVED_BYTES_PER_ELEMENT / layer.q_group_size
@@ -262,7 +265,7 @@ def _perplexity_window(model, window, config: EvalConfig, tallies, record: bool,
             fill(cache, pre)
             nll = score_continuation(model, cache, window[:, num_prefill:], config.chunk_tokens)
             tally.nll_by_context.setdefault(ctx, NLL()).add(nll)
-            tally.bytes_per_token.append(kv_bytes(cache) / cache.get_seq_length())
+            tally.bytes_per_token.append(kv_bytes(cache, model.config) / cache.get_seq_length())
 
         _guarded(tally, work)
 
@@ -320,4 +323,5 @@ def _bits_or_budget(method: Method) -> str:
     if method.keep is not None:
         return f"keep {method.keep:.0%}"
     return {"raw": "16-bit", "fp8": "8-bit fp", "int8": "8-bit", "int4": "4-bit", "int2": "2-bit",
-            "hf-quanto-int4": "4-bit", "hf-quanto-int2": "2-bit", "hf-fp8": "8-bit fp"}[method.name]
+            "hf-quanto-int4": "4-bit", "hf-quanto-int2": "2-bit", "hf-hqq-int4": "4-bit", "hf-hqq-int2": "2-bit",
+            "hf-fp8": "8-bit fp"}[method.name]
