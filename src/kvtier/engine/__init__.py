@@ -1,0 +1,8 @@
+"""The serving engine: a paged device KV arena on a fixed byte budget, continuous batching,
+prefix reuse across the device and the tiers, and swap preemption to host memory."""
+
+from kvtier.engine.async_engine import AsyncEngine, EngineDeadError
+from kvtier.engine.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
+from kvtier.engine.sequence import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineConfig", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,99 @@
+"""Device block bookkeeping: ids, keys and reference counts — no tensors (those are the runner's).
+
+A block is in exactly one of three states:
+- used: `ref_counts[b] > 0`, in some sequences' block tables (shared when they share a prefix);
+- cached-free: ref 0 but holding the KV of a full block with a key; it stays findable by
+  `match_prefix` until `allocate` reuses it, least recently freed first;
+- free: ref 0 and nothing worth keeping.
+Reusing a cached-free block *evicts* it: `allocate` hands back its (key, block id) so the engine
+can write the KV to the tiers before the block is overwritten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the device KV budget holds no block (num_blocks={num_blocks})")
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_to_key: list[bytes | None] = [None] * num_blocks
+        self.key_to_block: dict[bytes, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks `allocate` can hand out (free + cached-free)."""
+        return len(self.free_block_ids) + len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def match_prefix(self, keys: list[bytes]) -> list[int]:
+        """Block ids of the longest prefix of `keys` held on the device (not acquired)."""
+        block_ids = []
+        for key in keys:
+            block_id = self.key_to_block.get(key)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def acquire(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            assert block_id in self.cached_free, f"acquiring block {block_id} that holds nothing"
+            del self.cached_free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks
+
+    def allocate(self) -> tuple[int, tuple[bytes, int] | None] | None:
+        """A block with ref 1, and the (key, id) it evicted if it was cached-free; None when full."""
+        evicted = None
+        if self.free_block_ids:
+            block_id = self.free_block_ids.popleft()
+        elif self.cached_free:
+            block_id, _ = self.cached_free.popitem(last=False)
+            key = self.block_to_key[block_id]
+            del self.key_to_block[key]
+            self.block_to_key[block_id] = None
+            evicted = (key, block_id)
+        else:
+            return None
+        assert self.ref_counts[block_id] == 0
+        self.ref_counts[block_id] = 1
+        return block_id, evicted
+
+    def register(self, block_id: int, key: bytes) -> bool:
+        """Name a used block's (now full and computed) KV; False if another block has that key."""
+        assert self.ref_counts[block_id] > 0, f"registering free block {block_id}"
+        if self.block_to_key[block_id] == key:
+            return True
+        assert self.block_to_key[block_id] is None, f"block {block_id} already has a key"
+        if key in self.key_to_block:  # computed twice (two sequences prefilled it at once): keep the first
+            return False
+        self.block_to_key[block_id] = key
+        self.key_to_block[key] = block_id
+        return True
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference to each; in reverse so a table's tail is evicted before its head."""
+        for block_id in reversed(block_ids):
+            assert self.ref_counts[block_id] > 0, f"double free of block {block_id}"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id]:
+                continue
+            if self.block_to_key[block_id] is not None:
+                self.cached_free[block_id] = None
+            else:
+                self.free_block_ids.append(block_id)
+
+    def cached_blocks(self) -> list[tuple[bytes, int]]:
+        """(key, id) of every block with a key, used or not."""
+        return list(self.key_to_block.items())

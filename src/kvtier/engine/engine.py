@@ -1,0 +1,202 @@
+"""`LLMEngine`: the synchronous core — schedule, move blocks, run, postprocess — nano-vllm style.
+
+The engine is the only caller of the tier manager while serving: cached device blocks that the
+block manager evicts are encoded and written down to the tiers, and admission pulls prefix blocks
+back up from them (`_fetch_prefix`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.blocks import KeySpace
+from kvtier.codecs import get_codec
+from kvtier.engine.block_manager import BlockManager
+from kvtier.engine.model_runner import ModelRunner
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.sequence import SamplingParams, Sequence
+
+_MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    device_kv_budget_bytes: int = 512 * _MiB
+    block_tokens: int = 256
+    max_num_seqs: int = 32
+    max_prefill_tokens: int = 512   # chunked prefill: prompt tokens computed per step, all sequences together
+    preemption: str = "swap"        # "swap" to host memory; "recompute" is the baseline
+    prefix_caching: bool = True
+    host_swap_bytes: int = 4096 * _MiB
+    codec: str = "raw"              # how evicted blocks are written to the tiers
+    max_model_tokens: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.preemption not in ("swap", "recompute"):
+            raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
+        for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_device_blocks_used: int     # used by sequences (cached-free blocks not counted)
+    num_device_blocks_cached: int   # free but holding a cached prefix block
+    num_device_blocks_total: int
+    num_preemptions: int
+    num_blocks_written_to_tiers: int
+    prefix_hit_tokens_by_tier: dict[str, int]
+
+
+class LLMEngine:
+    def __init__(self, loaded, config: EngineConfig, manager=None) -> None:
+        self.config = config
+        self.manager = manager
+        self.layout = loaded.kv_layout(config.block_tokens)
+        self.num_blocks = config.device_kv_budget_bytes // self.layout.block_bytes
+        self.codec = get_codec(config.codec)
+        model_config = loaded.model.config.get_text_config(decoder=True)
+        self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
+        device = next(loaded.model.parameters()).device
+        self.block_manager = BlockManager(self.num_blocks)
+        self.runner = ModelRunner(loaded.model, self.layout, self.num_blocks, device)
+        self.scheduler = Scheduler(
+            self.block_manager, KeySpace(loaded.fingerprint, self.layout, self.codec.name),
+            max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
+            preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.layout.block_bytes,
+            max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
+            prefix_caching=config.prefix_caching, fetch_prefix=self._fetch_prefix if manager is not None else None)
+        self._seqs: dict[str, Sequence] = {}
+        self._host_kv: dict[str, torch.Tensor] = {}  # swapped-out KV, [L, 2, n, H, T, D] on the host
+        self._pin = torch.cuda.is_available() and device.type == "cuda"
+        self.num_blocks_written_to_tiers = 0
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    namespace: str = "") -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self.check_request(len(prompt_token_ids), sampling.max_tokens)
+        seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, namespace)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError (a message for the client) if such a request can never run here."""
+        if num_prompt_tokens <= 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.max_model_tokens:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+                             f"{self.max_model_tokens} tokens")
+        num_tokens = min(num_prompt_tokens + max_tokens, self.max_model_tokens)
+        if -(-num_tokens // self.layout.block_tokens) > self.num_blocks:
+            raise ValueError(f"a request of up to {num_tokens} tokens does not fit the device KV budget "
+                             f"({self.num_blocks} blocks of {self.layout.block_tokens} tokens)")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request wherever it is; False if it is not (or no longer) in the engine."""
+        seq = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return seq is not None
+
+    def request_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        self._move_blocks(out)
+        sampled = self.runner.run(out.chunks) if out.chunks else {}
+        outputs = [self._output(seq) for seq in self.scheduler.postprocess(out, sampled)]
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        return outputs
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        # every read of a block comes before any write to one (a block freed by a swap-out or evicted
+        # may be reallocated in the same step)
+        for request_id, block_ids in out.swap_out:
+            self._host_kv[request_id] = self.runner.read_blocks(block_ids).to("cpu")
+        if out.evicted and self.manager is not None:
+            items = [(key, self.codec.encode(self.runner.block_tensor(block_id))) for key, block_id in out.evicted]
+            self.manager.put_many(items)
+            self.num_blocks_written_to_tiers += len(items)
+        for request_id, block_ids in out.swap_in:
+            self.runner.write_blocks(block_ids, self._host_kv.pop(request_id))
+        for block_id, block in out.loads:
+            self.runner.write_block(block_id, block)
+
+    def _fetch_prefix(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[str]]:
+        tiers = self.manager.lookup(keys)
+        payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
+        return [self.codec.decode(buf) for buf in payloads], tiers[:len(payloads)]
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, [seq.token_ids[-1]], seq.finish_reason is not None, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier))
+
+    def _forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self._host_kv.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    # -- tiers and introspection -------------------------------------------------------------------
+    def flush_to_tiers(self) -> int:
+        """Write every cached device block to the tiers (e.g. before shutdown); returns how many."""
+        if self.manager is None:
+            return 0
+        items = [(key, self.codec.encode(self.runner.block_tensor(block_id)))
+                 for key, block_id in self.block_manager.cached_blocks()]
+        if items:
+            self.manager.put_many(items)
+        self.manager.flush()
+        self.num_blocks_written_to_tiers += len(items)
+        return len(items)
+
+    def stats(self) -> EngineStats:
+        s, bm = self.scheduler, self.block_manager
+        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), bm.num_used_blocks,
+                           len(bm.cached_free), bm.num_blocks, s.num_preemptions, self.num_blocks_written_to_tiers,
+                           dict(s.prefix_hit_tokens_by_tier))
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
+        """Run prompts to completion together; the generated token ids of each (offline use, tests)."""
+        ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            self.add_request(request_id, prompt, sampling, namespace)
+        generated: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                generated[output.request_id] += output.new_token_ids
+        return [generated[request_id] for request_id in ids]
+
+
+def _eos_token_ids(model) -> tuple[int, ...]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

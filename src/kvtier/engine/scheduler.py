@@ -1,0 +1,270 @@
+"""Continuous batching: who runs this step, how many of their tokens, and what moves where.
+
+Each step, in this order: running sequences that decode get one token each (a sequence that needs
+a new block and finds none preempts the youngest running sequence — swapping its KV to host memory,
+or, as the baseline, dropping it to recompute later); running sequences still in prefill get a
+chunk of the prefill token budget; swapped sequences come back when their blocks fit again; then
+waiting requests are admitted, FIFO. Admission reuses the longest prefix found on the device, then
+asks the tiers (`fetch_prefix`) for the next blocks, so only the uncached rest is computed.
+
+The scheduler only decides; the engine carries out the `SchedulerOutput` (copies, tier writes,
+the forward) and hands the sampled tokens back to `postprocess`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.blocks import KeySpace, block_keys, chain_key
+from kvtier.engine.block_manager import BlockManager
+from kvtier.engine.sequence import Sequence, SeqStatus
+
+# keys -> (decoded blocks [L, 2, H, T, D] of the longest cached prefix, tier name of each)
+FetchPrefix = Callable[[list[bytes]], tuple[list, list[str]]]
+
+DEVICE = "device"  # the tier name reported for prefix hits in the device arena
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int        # position of the first token computed this step
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the engine must do this step. Reads (swap_out, evicted) come before writes (swap_in, loads, forward)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)   # (request id, block ids) -> host
+    evicted: list[tuple[bytes, int]] = field(default_factory=list)        # cached blocks to write to the tiers
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)    # host -> (request id, block ids)
+    loads: list[tuple[int, object]] = field(default_factory=list)         # (block id, tier block) to write
+    recomputed: list[str] = field(default_factory=list)                   # request ids preempted by recompute
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
+                 max_prefill_tokens: int = 512, preemption: str = "swap", host_swap_blocks: int = 0,
+                 max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
+                 prefix_caching: bool = True, fetch_prefix: FetchPrefix | None = None) -> None:
+        if preemption not in ("swap", "recompute"):
+            raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
+        self.block_manager = block_manager
+        self.space = space
+        self.block_tokens = space.layout.block_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.preemption = preemption
+        self.host_swap_blocks = host_swap_blocks
+        self.max_model_tokens = max_model_tokens
+        self.eos_token_ids = set(eos_token_ids)
+        self.prefix_caching = prefix_caching
+        self.fetch_prefix = fetch_prefix if prefix_caching else None
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_swapped_blocks = 0
+        self.num_preemptions = 0
+        self.prefix_hit_tokens_by_tier: dict[str, int] = {}
+        self._spaces: dict[str, KeySpace] = {}
+
+    # -- requests --------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, "abort")
+                    return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # -- schedule --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        scheduled = self._schedule_running(out)
+        budget = self.max_prefill_tokens
+        for seq in [s for s in self.running if s not in scheduled]:  # prefill chunks
+            if budget <= 0:
+                break
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        if not out.swap_out and not out.recomputed:
+            self._swap_in(out)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> set[Sequence]:
+        """One token for every decoding sequence, preempting the youngest when blocks run out."""
+        scheduled: set[Sequence] = set()
+        queue = list(self.running)
+        while queue:
+            seq = queue.pop(0)
+            if seq.num_tokens - seq.num_computed_tokens != 1:
+                continue  # still in prefill: blocks were allocated at admission
+            while not self._reserve_blocks(seq, seq.num_tokens, out):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))
+                scheduled.add(seq)
+        return scheduled
+
+    def _reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow `seq`'s table to hold `num_tokens`; False (nothing allocated) when it cannot."""
+        num_new = -(-num_tokens // self.block_tokens) - len(seq.block_ids)
+        if not self.block_manager.can_allocate(num_new):
+            return False
+        for _ in range(num_new):
+            seq.block_ids.append(self._allocate(out))
+        return True
+
+    def _allocate(self, out: SchedulerOutput) -> int:
+        block_id, evicted = self.block_manager.allocate()
+        if evicted is not None:
+            out.evicted.append(evicted)
+        return block_id
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        num_data_blocks = -(-seq.num_computed_tokens // self.block_tokens)
+        if self.preemption == "swap" and self.num_swapped_blocks + num_data_blocks <= self.host_swap_blocks:
+            out.swap_out.append((seq.request_id, seq.block_ids[:num_data_blocks]))
+            seq.num_swapped_blocks = num_data_blocks
+            self.num_swapped_blocks += num_data_blocks
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.append(seq)
+        else:  # recompute: its full blocks stay findable in the device cache until evicted
+            out.recomputed.append(seq.request_id)
+            seq.num_computed_tokens = 0
+            seq.block_keys = []
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.block_manager.release(seq.block_ids)
+        seq.block_ids = []
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        while self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            # keep a block per running sequence in reserve so the next decodes do not preempt it again
+            num_blocks = -(-seq.num_tokens // self.block_tokens)
+            if not self.block_manager.can_allocate(num_blocks + len(self.running)):
+                return
+            self.swapped.popleft()
+            seq.block_ids = [self._allocate(out) for _ in range(num_blocks)]
+            out.swap_in.append((seq.request_id, seq.block_ids[:seq.num_swapped_blocks]))
+            self.num_swapped_blocks -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
+            for block_id, key in zip(seq.block_ids, seq.block_keys if self.prefix_caching else []):
+                self.block_manager.register(block_id, key)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)  # scheduled from the next step on, after its KV is back
+
+    # -- admission -------------------------------------------------------------------------------
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq, out):
+                return
+            self.waiting.popleft()
+            num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit."""
+        bm, block_tokens = self.block_manager, self.block_tokens
+        keys = block_keys(self._space(seq.namespace), seq.token_ids)
+        usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
+        device_ids = bm.match_prefix(keys[:usable]) if self.prefix_caching else []
+        num_needed = -(-seq.num_tokens // block_tokens) - len(device_ids)
+        num_revived = sum(1 for b in device_ids if bm.ref_counts[b] == 0)
+        # keep a block per running sequence in reserve for their next decode
+        if bm.num_free_blocks - num_revived < num_needed + len(self.running):
+            return False
+        tier_blocks, tier_names = [], []
+        if self.fetch_prefix is not None and usable > len(device_ids):
+            tier_blocks, tier_names = self.fetch_prefix(keys[len(device_ids):usable])
+        for block_id in device_ids:
+            bm.acquire(block_id)
+        new_ids = [self._allocate(out) for _ in range(num_needed)]
+        num_hit_blocks = len(device_ids) + len(tier_blocks)
+        for block_id, key, block in zip(new_ids, keys[len(device_ids):num_hit_blocks], tier_blocks):
+            out.loads.append((block_id, block))
+            bm.register(block_id, key)
+        seq.block_ids = device_ids + new_ids
+        seq.block_keys = keys[:num_hit_blocks]
+        seq.num_computed_tokens = num_hit_blocks * block_tokens
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_tokens = seq.num_computed_tokens
+            for tier in [DEVICE] * len(device_ids) + tier_names:
+                seq.cached_tokens_by_tier[tier] = seq.cached_tokens_by_tier.get(tier, 0) + block_tokens
+                self.prefix_hit_tokens_by_tier[tier] = self.prefix_hit_tokens_by_tier.get(tier, 0) + block_tokens
+        return True
+
+    def _space(self, namespace: str) -> KeySpace:
+        if namespace not in self._spaces:
+            self._spaces[namespace] = self.space.with_namespace(namespace)
+        return self._spaces[namespace]
+
+    # -- after the forward -----------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance the scheduled sequences; returns those that got a token (finished ones included)."""
+        updated = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self._register_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue
+            token = sampled[seq.request_id]
+            seq.token_ids.append(token)
+            updated.append(seq)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+        return updated
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        block_tokens = self.block_tokens
+        while len(seq.block_keys) < seq.num_computed_tokens // block_tokens:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else self._space(seq.namespace).root_key()
+            key = chain_key(parent, seq.token_ids[i * block_tokens:(i + 1) * block_tokens])
+            seq.block_keys.append(key)
+            if self.prefix_caching:
+                self.block_manager.register(seq.block_ids[i], key)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_generated_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_tokens:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SeqStatus.SWAPPED:
+            self.num_swapped_blocks -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
+        self.block_manager.release(seq.block_ids)
+        seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,155 @@
+"""The engine on the tiny random Llama: greedy output == model.generate, under batching, chunked
+prefill, prefix sharing, swap and recompute preemption, and tier round trips."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.codecs import get_codec
+from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
+from kvtier.manager import build_manager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_support import reference  # noqa: E402
+
+BLOCK = 8
+NEW = 30
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_model, tiny_prompts):
+    return [reference(tiny_model.model, p, NEW) for p in tiny_prompts]
+
+
+def make_engine(model, num_blocks, manager=None, **kwargs):
+    kwargs.setdefault("max_prefill_tokens", 16)
+    config = EngineConfig(device_kv_budget_bytes=num_blocks * model.kv_layout(BLOCK).block_bytes,
+                          block_tokens=BLOCK, **kwargs)
+    return LLMEngine(model, config, manager)
+
+
+def run_all(engine, prompts, namespace=""):
+    return engine.generate(prompts, SamplingParams(max_tokens=NEW), namespace)
+
+
+def test_batched_chunked_prefill_matches_generate(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 64)
+    assert run_all(engine, tiny_prompts) == refs
+    stats = engine.stats()
+    assert stats.num_preemptions == 0 and stats.num_device_blocks_used == 0
+
+
+def test_shared_prefix_reuses_device_blocks(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 64)
+    run_all(engine, [tiny_prompts[2]])
+    engine.add_request("b", tiny_prompts[-1], SamplingParams(max_tokens=NEW))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [o.new_token_ids[0] for o in outputs] == refs[-1]
+    assert outputs[-1].num_cached_tokens == 32 and outputs[-1].cached_tokens_by_tier == {"device": 32}
+
+
+def test_requests_join_between_decode_steps(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 64)
+    got = {i: [] for i in range(len(tiny_prompts))}
+    engine.add_request("0", tiny_prompts[0], SamplingParams(max_tokens=NEW))
+    step = 0
+    while engine.has_unfinished_requests():
+        if 0 < step < len(tiny_prompts):  # one new request joins after every step
+            engine.add_request(str(step), tiny_prompts[step], SamplingParams(max_tokens=NEW))
+        for out in engine.step():
+            got[int(out.request_id)] += out.new_token_ids
+        step += 1
+    assert [got[i] for i in range(len(tiny_prompts))] == refs
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_under_a_small_budget_keeps_outputs(tiny_model, tiny_prompts, refs, preemption):
+    engine = make_engine(tiny_model, 14, preemption=preemption)  # the 7 requests need ~30 blocks
+    assert run_all(engine, tiny_prompts) == refs
+    assert engine.stats().num_preemptions > 0
+
+
+def test_swap_goes_to_host_memory(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 14)
+    for i, prompt in enumerate(tiny_prompts):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW))
+    max_swapped = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        max_swapped = max(max_swapped, engine.stats().num_swapped)
+        assert engine.scheduler.num_swapped_blocks == sum(t.shape[2] for t in engine._host_kv.values())
+    assert max_swapped > 0 and not engine._host_kv
+
+
+def test_no_host_room_falls_back_to_recompute(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 14, host_swap_bytes=0)
+    assert run_all(engine, tiny_prompts) == refs
+    assert engine.stats().num_swapped == 0 and engine.stats().num_preemptions > 0
+
+
+def test_evicted_blocks_go_to_the_tiers_and_come_back(tiny_model, tiny_prompts, refs):
+    layout = tiny_model.kv_layout(BLOCK)
+    manager = build_manager(["dram:1MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    try:
+        first = make_engine(tiny_model, 14, manager)
+        assert run_all(first, tiny_prompts) == refs
+        assert first.stats().num_blocks_written_to_tiers > 0
+        first.flush_to_tiers()
+        second = make_engine(tiny_model, 14, manager)  # a fresh device: the prefix must come from DRAM
+        second.add_request("x", tiny_prompts[2], SamplingParams(max_tokens=NEW))
+        outputs = []
+        while second.has_unfinished_requests():
+            outputs += second.step()
+        assert [o.new_token_ids[0] for o in outputs] == refs[2]
+        assert outputs[-1].cached_tokens_by_tier == {"dram": 32}
+        other_tenant = make_engine(tiny_model, 14, manager)
+        assert run_all(other_tenant, [tiny_prompts[2]], namespace="tenant-b") == [refs[2]]
+        assert other_tenant.stats().prefix_hit_tokens_by_tier == {}
+    finally:
+        manager.close()
+
+
+def test_no_prefix_caching_never_hits(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 64, prefix_caching=False)
+    assert run_all(engine, [tiny_prompts[2], tiny_prompts[2]]) == [refs[2], refs[2]]
+    assert engine.stats().prefix_hit_tokens_by_tier == {} and not engine.block_manager.key_to_block
+
+
+def test_abort_frees_blocks(tiny_model, tiny_prompts):
+    engine = make_engine(tiny_model, 64, prefix_caching=False)
+    engine.add_request("a", tiny_prompts[2], SamplingParams(max_tokens=NEW))
+    engine.step()
+    assert engine.stats().num_device_blocks_used == 5
+    assert engine.abort_request("a") and not engine.abort_request("a")
+    assert engine.stats().num_device_blocks_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_stop_token_and_max_tokens(tiny_model, tiny_prompts, refs):
+    engine = make_engine(tiny_model, 64)
+    stop = refs[1][3]
+    [got] = engine.generate([tiny_prompts[1]], SamplingParams(max_tokens=NEW, stop_token_ids=[stop]))
+    assert got == refs[1][:refs[1].index(stop) + 1]
+    [got] = engine.generate([tiny_prompts[1]], SamplingParams(max_tokens=4))
+    assert got == refs[1][:4]
+
+
+def test_requests_that_can_never_run_are_refused(tiny_model):
+    engine = make_engine(tiny_model, 4, max_model_tokens=64)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("long", [5] * 64, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="budget"):
+        engine.add_request("big", [5] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams())
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+
+
+def test_seeded_sampling_is_reproducible(tiny_model, tiny_prompts):
+    sampling = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3)
+    a = make_engine(tiny_model, 64).generate([tiny_prompts[0]], sampling)
+    b = make_engine(tiny_model, 64).generate([tiny_prompts[0]], sampling)
+    assert a == b and len(a[0]) == 10
