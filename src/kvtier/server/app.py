@@ -1,0 +1,255 @@
+"""The FastAPI app: OpenAI's /v1/completions and /v1/chat/completions (JSON or SSE), /v1/models,
+/health, /metrics (Prometheus) and a small live dashboard, in front of one `AsyncEngine`.
+
+Every bad request is answered with a 4xx and an OpenAI-style error body before it reaches the
+engine; a request that fails or whose client goes away is aborted in the engine alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, fields
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.engine import AsyncEngine, EngineDeadError, SamplingParams
+from kvtier.server import protocol
+from kvtier.server.generation import EngineAbortedError, Generation
+from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
+
+_DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object
+    model_name: str
+    metrics: ServerMetrics
+    vocab_size: int
+    created: int
+
+
+def engine_view(async_engine: AsyncEngine) -> EngineView:
+    stats = async_engine.engine.stats()
+    return EngineView(**{f.name: getattr(stats, f.name) for f in fields(EngineView)})
+
+
+def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, manager=None,
+               on_shutdown=None) -> FastAPI:
+    """`on_shutdown()` runs after the engine thread stopped (flush blocks, close the tiers)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+        if on_shutdown is not None:
+            on_shutdown()
+
+    app = FastAPI(title="kvtier", lifespan=lifespan)
+    vocab_size = int(async_engine.engine.runner.lm_head.out_features)
+    state = ServerState(async_engine, tokenizer, model_name,
+                        ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()))
+    app.state.kvtier = state
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state)
+    _add_generation_routes(app, state)
+    return app
+
+
+def _error(state: ServerState, status: int, message: str, *, type_: str | None = None, param=None, code=None):
+    state.metrics.observe_error(status)
+    type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(protocol.error_body(message, type=type_, param=param, code=code), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest):
+        return _error(state, exc.status, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation(request: Request, exc: RequestValidationError):
+        return _error(state, 400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return _error(state, exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else None)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.model_list(state.model_name, state.created)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard():
+        return resources.files("kvtier.server").joinpath("static/dashboard.html").read_text()
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        return {"model": state.model_name, **state.metrics.snapshot()}
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = _param(err["loc"])
+        raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
+
+
+def _param(loc: tuple) -> str | None:
+    """`messages.0.role` from pydantic's loc, without its union-member tags (`constrained-str`, `list[...]`)."""
+    parts = [str(p) for i, p in enumerate(loc)
+             if i == 0 or isinstance(p, int) or (str(p).isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts) or None
+
+
+def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
+    engine = state.engine.engine
+    if max_tokens is None:
+        max_tokens = max(1, engine.max_model_tokens - num_prompt_tokens)
+    try:
+        engine.check_request(num_prompt_tokens, max_tokens)
+    except ValueError as exc:
+        code = "context_length_exceeded" if "context" in str(exc) else None
+        raise BadRequest(str(exc), param="messages" if hasattr(req, "messages") else "prompt", code=code) from None
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        started_at = time.perf_counter()
+        req = await _parse(request, protocol.CompletionRequest)
+        if isinstance(req.prompt, str):
+            prompt_ids = list(state.tokenizer.encode(req.prompt))
+        else:
+            prompt_ids = list(req.prompt)
+            if max(prompt_ids) >= state.vocab_size:
+                raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({state.vocab_size})",
+                                 param="prompt")
+        max_tokens = req.max_tokens if req.max_tokens is not None else _DEFAULT_COMPLETION_TOKENS
+        gen = _generation(state, "cmpl", req, prompt_ids, _sampling(state, req, len(prompt_ids), max_tokens), started_at)
+        if req.stream:
+            return _sse(_completion_events(state, gen, req))
+        text = await _collect(state, gen)
+        if isinstance(text, Response):
+            return text
+        return protocol.completion(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        started_at = time.perf_counter()
+        req = await _parse(request, protocol.ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt_ids = _as_ids(state.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except Exception as exc:  # noqa: BLE001 — a template that rejects these messages
+            raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
+        gen = _generation(state, "chatcmpl", req, prompt_ids,
+                          _sampling(state, req, len(prompt_ids), req.token_limit()), started_at)
+        if req.stream:
+            return _sse(_chat_events(state, gen, req))
+        text = await _collect(state, gen)
+        if isinstance(text, Response):
+            return text
+        return protocol.chat_completion(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+
+
+def _as_ids(ids) -> list[int]:
+    if hasattr(ids, "keys") and "input_ids" in ids:
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _generation(state: ServerState, prefix: str, req, prompt_ids: list[int], sampling: SamplingParams,
+                started_at: float) -> Generation:
+    return Generation(state.engine, state.tokenizer, state.metrics, request_id=f"{prefix}-{uuid.uuid4().hex}",
+                      prompt_token_ids=prompt_ids, sampling=sampling, namespace=req.cache_salt or "",
+                      stops=req.stop_strings(), started_at=started_at)
+
+
+async def _collect(state: ServerState, gen: Generation) -> str | Response:
+    try:
+        return await gen.collect()
+    except (EngineAbortedError, EngineDeadError) as exc:
+        return _error(state, 503, str(exc))
+    except ValueError as exc:  # refused by the engine after all
+        return _error(state, 400, str(exc))
+
+
+def _sse(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _stream(state: ServerState, gen: Generation, req, chunk, object_: str):
+    """SSE lines: `chunk(text, finish_reason)` per delta, the final chunk, usage if asked, [DONE]."""
+    try:
+        async for delta in gen.deltas():
+            yield _event(chunk(delta, None))
+        yield _event(chunk(None, gen.finish_reason))
+        if req.include_usage():
+            yield _event(protocol.usage_chunk(gen.request_id, state.model_name, object_, gen.usage()))
+    except (EngineAbortedError, EngineDeadError, ValueError) as exc:
+        state.metrics.observe_error(503)
+        yield _event(protocol.error_body(str(exc), type="server_error"))
+    yield "data: [DONE]\n\n"
+
+
+def _completion_events(state: ServerState, gen: Generation, req):
+    def chunk(text, finish_reason):
+        return protocol.completion_chunk(gen.request_id, state.model_name, text or "", finish_reason)
+    return _stream(state, gen, req, chunk, "text_completion")
+
+
+def _chat_events(state: ServerState, gen: Generation, req):
+    first = True
+
+    def chunk(text, finish_reason):
+        nonlocal first
+        delta = {} if text is None else {"content": text}
+        if first:
+            delta, first = {"role": "assistant", **({"content": ""} if text is None else delta)}, False
+        return protocol.chat_chunk(gen.request_id, state.model_name, delta, finish_reason)
+    return _stream(state, gen, req, chunk, "chat.completion.chunk")

@@ -1,0 +1,85 @@
+"""One request in the engine, as the HTTP layer sees it: engine outputs in, text deltas out.
+
+`Generation.deltas()` drives `AsyncEngine.generate`, turns token ids into text (with stop
+strings), observes TTFT and inter-token latency, and aborts the engine request whenever it ends
+early: a stop string, an error, or the client going away (the HTTP task is cancelled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+
+from kvtier.server.metrics import ServerMetrics
+from kvtier.server.protocol import usage
+from kvtier.server.text import TextStream
+
+
+class EngineAbortedError(RuntimeError):
+    """The engine ended the request on its own (shutdown, or it could never fit)."""
+
+
+class Generation:
+    def __init__(self, async_engine, tokenizer, metrics: ServerMetrics, *, request_id: str,
+                 prompt_token_ids: list[int], sampling, namespace: str, stops: list[str],
+                 started_at: float) -> None:
+        self.async_engine = async_engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.namespace = namespace
+        self.started_at = started_at
+        self.text = TextStream(tokenizer, stops)
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+        self.num_generated_tokens = 0
+
+    def usage(self) -> dict:
+        return usage(len(self.prompt_token_ids), self.num_generated_tokens, self.num_cached_tokens)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text deltas until the request finishes; `finish_reason` is set when this ends normally."""
+        outputs = self.async_engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
+                                             namespace=self.namespace)
+        engine_done = False
+        last_token_at: float | None = None
+        try:
+            async for out in outputs:
+                now = time.perf_counter()
+                self.metrics.observe_tokens(self.started_at, last_token_at, now, len(out.new_token_ids))
+                last_token_at = now if out.new_token_ids else last_token_at
+                self.num_cached_tokens = out.num_cached_tokens
+                self.num_generated_tokens += len(out.new_token_ids)
+                delta = self.text.add(out.new_token_ids)
+                engine_done = out.finished
+                if self.text.stopped:
+                    self.finish_reason = "stop"
+                elif out.finished:
+                    if out.finish_reason == "abort":
+                        raise EngineAbortedError(f"request {self.request_id} was aborted by the engine")
+                    self.finish_reason = out.finish_reason
+                    delta += self.text.finish()
+                if delta:
+                    yield delta
+                if self.finish_reason is not None:
+                    break
+        finally:
+            # Shielded: when the client disconnects this task is cancelled, and every await in an
+            # anyio-cancelled scope would be cancelled again before the engine heard of it.
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await outputs.aclose()
+                if not engine_done:
+                    await self.async_engine.abort(self.request_id)
+            self._count_finished()
+
+    def _count_finished(self) -> None:
+        self.metrics.observe_finished(self.finish_reason or "abort", len(self.prompt_token_ids),
+                                      self.num_cached_tokens, self.num_generated_tokens)
+
+    async def collect(self) -> str:
+        return "".join([delta async for delta in self.deltas()])

@@ -1,0 +1,133 @@
+"""The OpenAI wire format: request models (validated strictly) and the response/chunk builders.
+
+Requests are strict pydantic models: `"max_tokens": "5"` is a type error (OpenAI rejects it too),
+unknown extra fields are ignored (clients send vendor fields). Responses are plain dicts in
+OpenAI's shape; `openai`'s client parses them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = _STRICT
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None  # vLLM's field: the engine namespace that isolates a tenant's prefix cache
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        return stop
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    # A text prompt or its token ids (batches of prompts are not supported: n=1, one prompt).
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # the newer name of max_tokens
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def completion(request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage_}
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None) -> dict:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def chat_completion(request_id: str, model: str, text: str, finish_reason: str | None, usage_: dict) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage_}
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}]}
+
+
+def usage_chunk(request_id: str, model: str, object_: str, usage_: dict) -> dict:
+    """The last chunk when `stream_options.include_usage` is set: no choices, only usage."""
+    return {"id": request_id, "object": object_, "created": int(time.time()), "model": model,
+            "choices": [], "usage": usage_}
+
+
+def model_list(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvtier"}]}
