@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from support.models import smollm2, tiny_model, tiny_swa_model  # noqa: E402,F401
-from support.services import mooncake_master, redis_server  # noqa: E402,F401
+from support.services import mooncake_master, pool_service, redis_server  # noqa: E402,F401
 
 from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file  # noqa: E402
 

@@ -133,15 +133,15 @@ def test_device_budget_offloads_excess_layers_and_keeps_tokens(tiny_model):
     assert cache.resident_bytes + cache.offloaded_bytes == per_layer_bytes * 2 * 159
 
 
-def test_second_process_hits_ssd_and_prints_same_text(tmp_path, tiny_model):
-    """`kvtier generate` twice as two processes on one --ssd-dir (tiny model, via a script)."""
+def _generate_in_two_processes(specs: list[str]) -> tuple[dict, dict]:
+    """`run_generate` (what `kvtier generate` runs) twice, as two processes on the same tier specs."""
     script = f"""
 import json, sys, torch
 from kvtier import models
 from kvtier.generate_cli import run_generate
 from kvtier.manager import build_manager
 loaded = models.load("tiny", device="cpu")
-m = build_manager(["ssd:{tmp_path / 'ssd'}:64MiB"], slot_bytes=loaded.kv_layout({BLOCK}).block_bytes + 4096)
+m = build_manager({specs!r}, slot_bytes=loaded.kv_layout({BLOCK}).block_bytes + 4096)
 ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))[0].tolist()
 r = run_generate(loaded, m, ids, max_new_tokens=8, block_tokens={BLOCK})
 m.flush(); m.close()
@@ -149,8 +149,25 @@ print(json.dumps({{"text": r.text, "cached": r.cached_tokens, "hits": r.hit_toke
 """
     runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True) for _ in range(2)]
     first, second = (__import__("json").loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    return first, second
+
+
+def test_second_process_hits_ssd_and_prints_same_text(tmp_path, tiny_model):
+    first, second = _generate_in_two_processes([f"ssd:{tmp_path / 'ssd'}:64MiB"])
     assert first["cached"] == 0
     assert second["cached"] == 5 * BLOCK and second["hits"] == {"ssd": 5 * BLOCK}
+    assert second["text"] == first["text"]
+
+
+@pytest.mark.services
+def test_second_process_hits_the_pool_and_prints_same_text(pool_service, tiny_model):
+    """The pool is what servers share: process 2's DRAM is empty, its prefix comes from the pool.
+    (A fresh random salt in the namespace is not needed: the tiny model's fingerprint plus this
+    prompt are unique to this test within the session's pool.)"""
+    first, second = _generate_in_two_processes(["dram:64MiB", pool_service.spec])
+    pool_name = pool_service.spec.split(":", 1)[0]
+    assert first["cached"] == 0
+    assert second["cached"] == 5 * BLOCK and second["hits"] == {pool_name: 5 * BLOCK}
     assert second["text"] == first["text"]
 
 

@@ -67,12 +67,15 @@ def test_namespaces_never_share_blocks(tmp_path):
 
 def test_full_write_queue_drops_instead_of_blocking(tmp_path):
     m = TierManager([HostTier(8 * SIZE, SIZE), DiskTier(tmp_path, 100 * SIZE)], max_pending_writes=1)
-    m._lock.acquire()  # the writer cannot make progress while we hold the lock
+    ssd_lock = m._locks[id(m.tiers[1])]
+    ssd_lock.acquire()  # the writer cannot make progress while we hold the SSD tier's lock
     try:
         for i in range(4):
             m._enqueue([(K[i], _block(i))])
+        m.tiers[0].put_many([(K[7], _block(7))])
+        assert m.get_prefix([K[7]]) == [_block(7)]  # a DRAM hit does not wait for the stuck SSD writer
     finally:
-        m._lock.release()
+        ssd_lock.release()
     m.flush()
     assert m.num_dropped_writes >= 2
     m.close()

@@ -47,7 +47,7 @@ def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
         elif name in ("mooncake", "redis"):
             if not pool_url:
                 raise UserError(f"the {name} tier needs --pool-url")
-            specs.append(pool_url if pool_url.startswith(f"{name}") else f"{name}:{pool_url}")
+            specs.append(pool_url if pool_url.startswith(f"{name}:") else f"{name}://{pool_url.removeprefix('//')}")
         else:
             raise UserError(f"unknown tier {name!r}: use dram, ssd, mooncake, redis")
     # pools sit between DRAM and SSD

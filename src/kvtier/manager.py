@@ -2,9 +2,12 @@
 
 Tiers are ordered top (fastest) first. `put_many` writes the top tier synchronously and the
 lower tiers on one worker thread (write-through, so a second process on the same SSD or pool sees
-the blocks); blocks the top tier evicts are demoted to the next tier. Every block read is checked
-with `codecs.header.verify`: a corrupt block is deleted, counted, and ends the prefix there — the
-caller recomputes from that point. The manager never calls up into its callers.
+the blocks); blocks the top tier evicts are demoted to the next tier. Reads are batched per tier.
+Every block read is checked with `codecs.header.verify`: a corrupt block is deleted, counted, and
+ends the prefix there — the caller recomputes from that point. A tier that turns unhealthy (a dead
+pool, a full disk) is skipped by reads and writes, and `reconnect()`ed on a background thread with
+exponential back-off (1 s doubling to 30 s); requests keep being served by the other tiers. The
+manager never calls up into its callers.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from kvtier.codecs.header import CorruptBlockError, verify
 from kvtier.tiers import Tier, TierStats, make_tier
 
 log = logging.getLogger(__name__)
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
 
 
 class TierManager:
@@ -25,68 +31,131 @@ class TierManager:
             raise ValueError("a TierManager needs at least one tier")
         self.tiers = tiers
         self.num_dropped_writes = 0
-        self._lock = threading.Lock()  # tiers are not thread-safe: one caller at a time
+        # Tiers are not thread-safe: one caller per tier at a time. Per tier, so a slow pool write on
+        # the worker thread never holds up a DRAM read on the compute path.
+        self._locks = {id(tier): threading.Lock() for tier in tiers}
         self._queue: queue.Queue | None = None
+        self._retry_at = [0.0] * len(tiers)
+        self._backoff_s = [BACKOFF_START_S] * len(tiers)
+        self._reconnecting = [False] * len(tiers)
         if async_writes and len(tiers) > 1:
             self._queue = queue.Queue(max_pending_writes)
             self._worker = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
             self._worker.start()
 
+    # -- health ----------------------------------------------------------------------------------
+    def _usable(self) -> list[bool]:
+        """Which tiers to use now; schedules a background reconnect of unhealthy ones when due."""
+        now = time.monotonic()
+        usable = []
+        for idx, tier in enumerate(self.tiers):
+            usable.append(tier.healthy)
+            if not tier.healthy and not self._reconnecting[idx] and now >= self._retry_at[idx]:
+                self._reconnecting[idx] = True
+                threading.Thread(target=self._reconnect, args=(idx,), name=f"kvtier-reconnect-{tier.name}",
+                                 daemon=True).start()
+        return usable
+
+    def _reconnect(self, idx: int) -> None:
+        tier = self.tiers[idx]
+        try:
+            ok = tier.reconnect()
+        except Exception:  # noqa: BLE001 - a tier's reconnect must not kill the thread silently
+            log.exception("%s tier: reconnect raised", tier.name)
+            ok = False
+        if ok:
+            self._backoff_s[idx] = BACKOFF_START_S
+        else:
+            self._retry_at[idx] = time.monotonic() + self._backoff_s[idx]
+            self._backoff_s[idx] = min(2 * self._backoff_s[idx], BACKOFF_MAX_S)
+        self._reconnecting[idx] = False
+
+    def _guarded(self, tier: Tier, what: str, fn, fallback):
+        """Call a tier; an exception (a tier bug or an unexpected backend error) disables the tier."""
+        try:
+            with self._locks[id(tier)]:
+                return fn()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s tier: %s raised %s: %s; tier disabled until it reconnects", tier.name, what,
+                        type(exc).__name__, exc)
+            tier.stats.errors += 1
+            tier.healthy = False
+            return fallback
+
     # -- reads -----------------------------------------------------------------------------------
+    def _holders(self, keys: list[bytes]) -> list[int]:
+        """For the longest prefix of `keys` held anywhere: the index of the top tier holding each.
+
+        Tiers are asked top-down, each only for the keys the tiers above do not hold, so a prefix
+        that is all in DRAM never touches (or waits for) the SSD or the pool."""
+        usable = self._usable()
+        holder: list[int | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for idx, (tier, ok) in enumerate(zip(self.tiers, usable)):
+            if not missing:
+                break
+            if not ok:
+                continue
+            ks = [keys[i] for i in missing]
+            flags = self._guarded(tier, "contains", lambda t=tier: t.contains_many(ks), [False] * len(ks))
+            for i, held in zip(missing, flags):
+                if held:
+                    holder[i] = idx
+            missing = [i for i in missing if holder[i] is None]
+        end = missing[0] if missing else len(keys)
+        return holder[:end]
+
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tier name of each block of the longest prefix of `keys` held anywhere."""
-        with self._lock:
-            held = [tier.contains_many(keys) for tier in self.tiers]
-        names = []
-        for i in range(len(keys)):
-            tier_idx = next((t for t, flags in enumerate(held) if flags[i]), None)
-            if tier_idx is None:
-                break
-            names.append(self.tiers[tier_idx].name)
-        return names
+        return [self.tiers[t].name for t in self._holders(keys)]
 
     def get_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """Verified payloads of the longest prefix; lower-tier hits are promoted to the top tier."""
+        """Verified payloads of the longest prefix; lower-tier hits are promoted to the top tier.
+
+        One batched get per tier. A block that is missing after all (evicted meanwhile) or corrupt
+        ends the prefix; a corrupt one is also deleted from its tier."""
+        holders = self._holders(keys)
+        fetched: dict[int, bytes | None] = {}
+        for tier_idx in sorted(set(holders)):
+            tier = self.tiers[tier_idx]
+            idxs = [i for i, t in enumerate(holders) if t == tier_idx]
+            datas = self._guarded(tier, "get", lambda t=tier, ks=[keys[i] for i in idxs]: t.get_many(ks),
+                                  [None] * len(idxs))
+            fetched.update(zip(idxs, datas))
         out: list[bytes] = []
         promote: list[tuple[bytes, bytes]] = []
-        with self._lock:
-            for key in keys:
-                data, tier_idx = self._get_one(key)
-                if data is None:
-                    break
-                out.append(data)
-                if tier_idx > 0:
-                    promote.append((key, data))
-            if promote:
-                self._put_top(promote)
+        for i, tier_idx in enumerate(holders):
+            data = fetched.get(i)
+            if data is None or not self._verified(keys[i], data, self.tiers[tier_idx]):
+                break
+            out.append(data)
+            if tier_idx > 0:
+                promote.append((keys[i], data))
+        if promote:
+            self._put_top(promote)
         return out
 
-    def _get_one(self, key: bytes) -> tuple[bytes | None, int]:
-        for idx, tier in enumerate(self.tiers):
-            if not tier.contains_many([key])[0]:
-                continue
-            [data] = tier.get_many([key])
-            if data is None:
-                continue
-            try:
-                verify(data)
-            except CorruptBlockError as exc:
-                log.warning("corrupt block %s in %s: %s (recomputing)", key.hex()[:12], tier.name, exc)
-                tier.stats.corrupt += 1
-                tier.delete(key)
-                return None, idx
-            return data, idx
-        return None, -1
+    def _verified(self, key: bytes, data: bytes, tier: Tier) -> bool:
+        try:
+            verify(data)
+            return True
+        except CorruptBlockError as exc:
+            log.warning("corrupt block %s in %s: %s (recomputing)", key.hex()[:12], tier.name, exc)
+            tier.stats.corrupt += 1
+            self._guarded(tier, "delete", lambda: tier.delete(key), False)
+            return False
 
     # -- writes ----------------------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        with self._lock:
-            self._put_top(items)
+        self._put_top(items)
         if len(self.tiers) > 1:
             self._enqueue(items)
 
     def _put_top(self, items: list[tuple[bytes, bytes]]) -> None:
-        evicted = self.tiers[0].put_many(items)
+        top = self.tiers[0]
+        if not top.healthy:
+            return
+        evicted = self._guarded(top, "put", lambda: top.put_many(items), [])
         if evicted and len(self.tiers) > 1:
             self._enqueue(evicted)  # demotion (a no-op below if write-through already put it there)
 
@@ -112,11 +181,15 @@ class TierManager:
                 self._queue.task_done()
 
     def _write_lower(self, items: list[tuple[bytes, bytes]]) -> None:
-        with self._lock:
-            for tier in self.tiers[1:]:
-                new = [(k, d) for (k, d), held in zip(items, tier.contains_many([k for k, _ in items])) if not held]
-                if new:
-                    tier.put_many(new)
+        usable = self._usable()
+        for tier, ok in zip(self.tiers[1:], usable[1:]):
+            if not ok:
+                continue
+            held = self._guarded(tier, "contains", lambda t=tier: t.contains_many([k for k, _ in items]),
+                                 [True] * len(items))
+            new = [(k, d) for (k, d), h in zip(items, held) if not h]
+            if new:
+                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [])
 
     def prefetch(self, keys: list[bytes]) -> None:
         """Promote the cached prefix of `keys` into the top tier ahead of use."""
@@ -147,5 +220,6 @@ class TierManager:
 
 
 def build_manager(specs: list[str], *, slot_bytes: int, async_writes: bool = True) -> TierManager:
-    """Tiers from spec strings, top first: `dram:1GiB`, `ssd:/path:10GiB`."""
+    """Tiers from spec strings, top first: `dram:1GiB`, `mooncake://HOST:PORT`, `redis://HOST:PORT/0`,
+    `ssd:/path:10GiB`. A pool that is down at start is just an unhealthy tier: it is retried."""
     return TierManager([make_tier(spec, slot_bytes=slot_bytes) for spec in specs], async_writes=async_writes)

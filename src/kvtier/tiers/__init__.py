@@ -1,4 +1,4 @@
-"""Storage tiers below the device: host DRAM and local SSD (Mooncake and Redis pools: planned)."""
+"""Storage tiers below the device: host DRAM, the pooled memory tier (Mooncake Store or Redis), local SSD."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from kvtier.units import parse_bytes
 
 
 def make_tier(spec: str, *, slot_bytes: int) -> Tier:
-    """`dram:1GiB` or `ssd:/path:10GiB`."""
+    """`dram:1GiB`, `ssd:/path:10GiB`, `mooncake://HOST:PORT[?options]`, `redis://HOST:PORT/DB`."""
     kind, _, rest = spec.partition(":")
     if kind == "dram":
         return HostTier(parse_bytes(rest or "1GiB"), slot_bytes)
@@ -21,7 +21,15 @@ def make_tier(spec: str, *, slot_bytes: int) -> Tier:
         if not path:
             raise UserError(f"ssd tier spec needs a directory and a size: ssd:/path:10GiB, got {spec!r}")
         return DiskTier(Path(path), parse_bytes(size))
-    raise UserError(f"unknown or not yet implemented tier {spec!r}: available dram:SIZE, ssd:DIR:SIZE")
+    if kind == "mooncake":
+        from kvtier.tiers.mooncake import mooncake_tier
+
+        return mooncake_tier(spec)
+    if kind in ("redis", "rediss", "unix"):
+        from kvtier.tiers.redis import redis_tier
+
+        return redis_tier(spec)
+    raise UserError(f"unknown tier {spec!r}: use dram:SIZE, ssd:DIR:SIZE, mooncake://HOST:PORT, redis://HOST:PORT/DB")
 
 
 __all__ = ["DiskTier", "HostTier", "Tier", "TierStats", "make_tier"]

@@ -1,0 +1,292 @@
+"""`kvtier bench serve`: a multi-turn chat workload on one device KV budget, three ways.
+
+Workload (deterministic, built from tinyshakespeare): `num_users` users chat concurrently; user u
+has a private opening passage (`context_chars` of the text at its own offset) and `num_turns`
+turns; each turn adds a user message (the next `turn_chars` of the text) and resends the whole
+conversation so far (the model's chat template), then waits for the greedy reply (`max_tokens`,
+EOS ignored) and appends it. The device budget holds the KV of only a few conversations.
+
+Systems, each on the same requests:
+- `kvtier`: the engine with the tier stack under it (DRAM, + SSD with `--ssd`) and swap preemption;
+- `device-prefix`: the same engine with a prefix cache on the device only and recompute
+  preemption (the vLLM-style baseline);
+- `generate`: plain transformers `model.generate` with DynamicCache, one request at a time (FIFO).
+
+Reported per system: TTFT p50/p99 (submit to first token, queueing included), inter-token latency
+p50/mean, output tokens/s over the run's wall time, requests completed, failures, prefix hit
+tokens, and whether every reply equals the `generate` reply (greedy must agree).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SYSTEM_PROMPT = "You are a helpful assistant who answers questions about the play you are given."
+
+
+@dataclass(slots=True)
+class Workload:
+    num_users: int = 6
+    num_turns: int = 3
+    context_chars: int = 1200
+    turn_chars: int = 160
+    max_tokens: int = 24
+
+
+@dataclass(slots=True)
+class Turn:
+    ttft_s: float
+    itl_s: list[float]
+    token_ids: list[int]
+
+
+@dataclass(slots=True)
+class SystemResult:
+    name: str
+    wall_s: float
+    turns: dict[tuple[int, int], Turn] = field(default_factory=dict)
+    num_failed: int = 0
+    first_error: str = ""
+    prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+
+    def row(self, reference: "SystemResult | None") -> dict:
+        ttfts = sorted(t.ttft_s for t in self.turns.values())
+        itls = sorted(x for t in self.turns.values() for x in t.itl_s)
+        num_tokens = sum(len(t.token_ids) for t in self.turns.values())
+        same = None if reference is None else len(self.turns) == len(reference.turns) and all(
+            reference.turns.get(k) is not None and reference.turns[k].token_ids == t.token_ids
+            for k, t in self.turns.items())
+        return {"system": self.name, "requests": len(self.turns), "failed": self.num_failed,
+                "ttft_p50_s": _pct(ttfts, 50), "ttft_p99_s": _pct(ttfts, 99),
+                "itl_p50_s": _pct(itls, 50), "itl_mean_s": statistics.fmean(itls) if itls else 0.0,
+                "tokens_per_s": num_tokens / self.wall_s, "wall_s": self.wall_s,
+                "prompt_tokens": self.num_prompt_tokens,
+                "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
+                "preemptions": self.num_preemptions, "same_text_as_generate": same, "first_error": self.first_error}
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
+
+
+def conversations(text: str, w: Workload) -> list[tuple[str, list[str]]]:
+    """(opening passage, user messages) per user; users start far apart in the text."""
+    stride = max(len(text) // max(w.num_users, 1), w.context_chars + w.num_turns * w.turn_chars)
+    out = []
+    for u in range(w.num_users):
+        start = (u * stride) % max(1, len(text) - w.context_chars - w.num_turns * w.turn_chars)
+        passage = text[start:start + w.context_chars]
+        pos = start + w.context_chars
+        messages = [f"Continue this: {text[pos + i * w.turn_chars:pos + (i + 1) * w.turn_chars]}"
+                    for i in range(w.num_turns)]
+        out.append((passage, messages))
+    return out
+
+
+def _prompt(tokenizer, passage: str, user_messages: list[str], replies: list[str]) -> list[int]:
+    messages = [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{passage}"}]
+    for i, user in enumerate(user_messages):
+        messages.append({"role": "user", "content": user})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]
+
+
+# -- the engine systems -----------------------------------------------------------------------------
+
+def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, block_tokens: int,
+               tier_specs: list[str], preemption: str) -> SystemResult:
+    from kvtier.codecs import get_codec
+    from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+    from kvtier.manager import build_manager
+
+    layout = loaded.kv_layout(block_tokens)
+    manager = build_manager(tier_specs, slot_bytes=get_codec("raw").max_encoded_bytes(layout)) if tier_specs else None
+    engine = LLMEngine(loaded, EngineConfig(device_kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
+                                            preemption=preemption, max_prefill_tokens=512), manager)
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    result = SystemResult(name, 0.0)
+    sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
+
+    async def user(u: int, passage: str, user_messages: list[str]) -> None:
+        replies: list[str] = []
+        for turn in range(len(user_messages)):
+            ids = _prompt(loaded.tokenizer, passage, user_messages[:turn + 1], replies)
+            result.num_prompt_tokens += len(ids)
+            start = last = time.perf_counter()
+            ttft, itl, tokens = None, [], []
+            try:
+                async for out in async_engine.generate(f"u{u}t{turn}", ids, sampling):
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - start
+                    else:
+                        itl.append(now - last)
+                    last = now
+                    tokens += out.new_token_ids
+            except Exception as exc:  # noqa: BLE001 — counted, the others go on
+                result.num_failed += 1
+                result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+                return
+            result.turns[(u, turn)] = Turn(ttft, itl, tokens)
+            replies.append(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    async def main() -> None:
+        await asyncio.gather(*(user(u, p, m) for u, (p, m) in enumerate(convs)))
+
+    start = time.perf_counter()
+    try:
+        asyncio.run(main())
+    finally:
+        result.wall_s = time.perf_counter() - start
+        async_engine.shutdown()
+        stats = engine.stats()
+        result.prefix_hit_tokens_by_tier = stats.prefix_hit_tokens_by_tier
+        result.num_preemptions = stats.num_preemptions
+        if manager is not None:
+            manager.close()
+    return result
+
+
+# -- plain generate -----------------------------------------------------------------------------------
+
+class _Streamer:
+    """A transformers streamer that timestamps every generated token (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_generate(loaded, convs, w: Workload) -> SystemResult:
+    """One worker serves the users' turns FIFO with `model.generate`; users still submit concurrently."""
+    result = SystemResult("generate", 0.0)
+    lock = threading.Lock()
+
+    def user(u: int, passage: str, user_messages: list[str]) -> None:
+        replies: list[str] = []
+        for turn in range(len(user_messages)):
+            ids = _prompt(loaded.tokenizer, passage, user_messages[:turn + 1], replies)
+            result.num_prompt_tokens += len(ids)
+            start = time.perf_counter()
+            streamer = _Streamer()
+            with lock, torch.inference_mode():
+                out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=w.max_tokens, min_new_tokens=w.max_tokens,
+                                            do_sample=False, streamer=streamer)
+            tokens = out[0, len(ids):].tolist()
+            times = streamer.times
+            result.turns[(u, turn)] = Turn(times[0] - start, [b - a for a, b in zip(times, times[1:])], tokens)
+            replies.append(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    threads = [threading.Thread(target=user, args=(u, p, m)) for u, (p, m) in enumerate(convs)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def run(workload: Workload | None = None, *, model: str = "smollm2", device_kv_budget: str = "48MiB",
+        block_tokens: int = 64, dram: str = "1GiB", ssd: bool = False,
+        systems: tuple[str, ...] = ("generate", "kvtier", "device-prefix")) -> list[dict]:
+    from kvtier import models
+    from kvtier.data import SHAKESPEARE, shared_data_file
+    from kvtier.units import parse_bytes
+
+    w = workload or Workload()
+    loaded = models.load(model)
+    if loaded.tokenizer is None:  # the tiny random models
+        from kvtier.server.tokenizer import ByteTokenizer
+
+        loaded.tokenizer = ByteTokenizer()
+    convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
+    budget = parse_bytes(device_kv_budget)
+    results: dict[str, SystemResult] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tiers = [f"dram:{dram}"] + ([f"ssd:{tmp}:8GiB"] if ssd else [])
+        for name in systems:
+            if name == "generate":
+                results[name] = run_generate(loaded, convs, w)
+            elif name == "kvtier":
+                results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
+                                           block_tokens=block_tokens, tier_specs=tiers, preemption="swap")
+            elif name == "device-prefix":
+                results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
+                                           block_tokens=block_tokens, tier_specs=[], preemption="recompute")
+            else:
+                raise ValueError(f"unknown system {name!r}")
+    reference = results.get("generate")
+    return [r.row(reference if r is not reference else None) for r in results.values()]
+
+
+def add_command(bench) -> None:
+    """Register `kvtier bench serve` on the `bench` typer group."""
+    import typer
+
+    @bench.command("serve")
+    def serve(users: int = typer.Option(6, min=1), turns: int = typer.Option(3, min=1),
+              context_chars: int = typer.Option(1200, min=1), turn_chars: int = typer.Option(160, min=1),
+              max_tokens: int = typer.Option(24, min=1), device_kv_budget: str = typer.Option("48MiB"),
+              block_tokens: int = typer.Option(64, min=1), dram: str = typer.Option("1GiB"),
+              ssd: bool = typer.Option(False, help="an SSD tier under DRAM (a temporary directory)"),
+              systems: str = typer.Option("generate,kvtier,device-prefix"),
+              model: str = typer.Option("smollm2"), json_out: bool = typer.Option(False, "--json")) -> None:
+        """Multi-turn chat: kvtier with tiers vs device-only prefix cache + recompute vs plain generate."""
+        import json
+
+        rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), model=model,
+                   device_kv_budget=device_kv_budget, block_tokens=block_tokens, dram=dram, ssd=ssd,
+                   systems=tuple(s.strip() for s in systems.split(",")))
+        if json_out:
+            print(json.dumps(rows))
+            return
+        print(render(rows))
+        for r in rows:
+            if r["first_error"]:
+                print(f"{r['system']}: first failure: {r['first_error']}")
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| system | requests | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL mean | tokens/s | wall | "
+             "prompt tokens | cached tokens by tier | preemptions | same text as generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cached = ", ".join(f"{k}: {v}" for k, v in r["cached_tokens_by_tier"].items()) or "–"
+        same = {None: "(reference)", True: "yes", False: "NO"}[r["same_text_as_generate"]]
+        lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s'] * 1000:,.0f} ms | "
+                     f"{r['ttft_p99_s'] * 1000:,.0f} ms | {r['itl_p50_s'] * 1000:,.0f} ms | "
+                     f"{r['itl_mean_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} s | "
+                     f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | {same} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import typer
+
+    _app = typer.Typer(add_completion=False)
+    add_command(_app)
+    _app()

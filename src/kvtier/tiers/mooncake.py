@@ -1,0 +1,138 @@
+"""The Mooncake Store pool tier (`mooncake-transfer-engine-non-cuda`; TCP here, RDMA where the NICs exist).
+
+A pool is one `mooncake_master` plus the memory segments its clients contribute. Start one on a
+host that every server can reach:
+
+    mooncake_master --enable_http_metadata_server=true --http_metadata_server_host=0.0.0.0 \\
+        --http_metadata_server_port=8080 --rpc_port=50051
+    mooncake_client --master_server_address=HOST:50051 --metadata_server=http://HOST:8080/metadata \\
+        --global_segment_size=64GB --host=HOST        # a memory server: the pool outlives any one kvtier
+
+Tier spec: `mooncake://HOST:50051[?metadata=URL&segment=SIZE&buffer=SIZE&protocol=tcp|rdma&device=mlx5_0]`
+(`mooncake:HOST:50051` works too). `metadata` defaults to `http://HOST:8080/metadata`; `segment` is
+the memory this process contributes to the pool (default 0: a `mooncake_client` memory server holds
+the pool, so blocks outlive the process); `buffer` is the client's transfer buffer (default 256MiB):
+a batched get never asks for more than that at once. The master evicts when its segments fill.
+"""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import parse_qs, urlsplit
+
+from kvtier.errors import UserError
+from kvtier.tiers.pool import PoolError, PoolFullError, PoolTier
+from kvtier.units import parse_bytes
+
+RPC_FAIL = -900          # the master is unreachable
+DEFAULT_BUFFER = 256 << 20
+PROBE_TIMEOUT_S = 1.0
+
+
+def _reachable(host: str, port: int) -> bool:
+    """A TCP connect first: the store's own setup against a dead master retries for about a minute."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeBackend:
+    def __init__(self, master: str, metadata: str, *, segment_bytes: int = 0, buffer_bytes: int = DEFAULT_BUFFER,
+                 protocol: str = "tcp", device: str = "", local_hostname: str | None = None) -> None:
+        self.master = master
+        self.metadata = metadata
+        self.segment_bytes = segment_bytes
+        self.buffer_bytes = buffer_bytes
+        self.protocol = protocol
+        self.device = device
+        self.local_hostname = local_hostname or master.rpartition(":")[0]
+        self._store = None
+        self._block_hint = 0  # largest block seen: sizes batched gets to the transfer buffer
+
+    def _live(self):
+        if self._store is None:
+            raise PoolError("not connected")
+        return self._store
+
+    def connect(self) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        metadata = urlsplit(self.metadata)
+        for host, port, what in ((*self.master.rsplit(":", 1), "master"),
+                                 (metadata.hostname, metadata.port or 80, "metadata server")):
+            if not _reachable(host, int(port)):
+                raise PoolError(f"mooncake {what} {host}:{port} is not reachable")
+        store = MooncakeDistributedStore()
+        rc = store.setup(self.local_hostname, self.metadata, self.segment_bytes, self.buffer_bytes,
+                         self.protocol, self.device, self.master)
+        if rc != 0:
+            raise PoolError(f"setup against master {self.master} failed with code {rc}")
+        if store.is_exist(KEY_PROBE) < 0:
+            store.close()
+            raise PoolError(f"master {self.master} does not answer")
+        self._store = store
+
+    def exists(self, names: list[str]) -> list[bool]:
+        codes = self._live().batch_is_exist(names)
+        if any(c < 0 for c in codes):
+            raise PoolError(f"batch_is_exist failed with code {min(codes)}")
+        return [c == 1 for c in codes]
+
+    def get(self, names: list[str]) -> list[bytes | None]:
+        store = self._live()
+        if not self._block_hint and names:
+            self._block_hint = max(store.get_size(names[0]), 1)
+        per_call = max(1, self.buffer_bytes // max(self._block_hint, 1))
+        out: list[bytes | None] = []
+        for i in range(0, len(names), per_call):
+            for data in store.get_batch(names[i:i + per_call]):
+                out.append(data if data else None)
+                self._block_hint = max(self._block_hint, len(data))
+        return out
+
+    def put(self, items: list[tuple[str, bytes]]) -> None:
+        self._block_hint = max([self._block_hint, *(len(d) for _, d in items)])
+        rc = self._live().put_batch([n for n, _ in items], [d for _, d in items])
+        if rc == RPC_FAIL:
+            raise PoolError(f"put failed: master {self.master} unreachable")
+        if rc < 0:
+            raise PoolFullError(f"put refused with code {rc}")
+
+    def remove(self, name: str) -> bool:
+        rc = self._live().remove(name, True)
+        if rc == RPC_FAIL:
+            raise PoolError(f"remove failed: master {self.master} unreachable")
+        return rc == 0
+
+    def used_bytes(self) -> int | None:
+        return None
+
+    def close(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            store.close()
+
+
+KEY_PROBE = "kvtier:probe"
+
+
+def parse_spec(spec: str) -> MooncakeBackend:
+    """`mooncake://HOST:PORT?...` or `mooncake:HOST:PORT?...` -> a backend (not yet connected)."""
+    rest = spec.removeprefix("mooncake:").removeprefix("//")
+    url = urlsplit("//" + rest)
+    if not url.hostname or not url.port:
+        raise UserError(f"mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; got {spec!r}")
+    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+    unknown = set(query) - {"metadata", "segment", "buffer", "protocol", "device", "local"}
+    if unknown:
+        raise UserError(f"unknown mooncake tier option(s) {', '.join(sorted(unknown))} in {spec!r}")
+    return MooncakeBackend(
+        f"{url.hostname}:{url.port}", query.get("metadata", f"http://{url.hostname}:8080/metadata"),
+        segment_bytes=parse_bytes(query.get("segment", "0")), buffer_bytes=parse_bytes(query.get("buffer", "256MiB")),
+        protocol=query.get("protocol", "tcp"), device=query.get("device", ""), local_hostname=query.get("local"))
+
+
+def mooncake_tier(spec: str, *, connect: bool = True) -> PoolTier:
+    return PoolTier("mooncake", parse_spec(spec), connect=connect)

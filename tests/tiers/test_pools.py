@@ -1,0 +1,165 @@
+"""The pooled tiers (Mooncake Store, Redis) against real services on 127.0.0.1: the same tests for
+both backends — round trips, sharing between managers and processes, corruption, and a pool that
+dies mid-run and comes back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.codecs import get_codec
+from kvtier.errors import UserError
+from kvtier.manager import TierManager, build_manager
+from kvtier.tiers import DiskTier, HostTier, make_tier
+from kvtier.tiers.mooncake import parse_spec
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from support.services import MooncakePool, RedisServer, free_port  # noqa: E402
+
+pytestmark = pytest.mark.services
+
+CODEC = get_codec("raw")
+
+
+def _block(seed: int, tokens: int = 16) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return CODEC.encode(torch.randn((2, 2, 2, tokens, 8), generator=g))
+
+
+SIZE = len(_block(0))
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    """Unique per test, so tests sharing one session service never see each other's blocks."""
+    return [f"{tag}-{time.monotonic_ns()}-{i}".encode().ljust(16, b".")[:32] for i in range(n)]
+
+
+def _wait(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_round_trip_batched(pool_service):
+    tier = make_tier(pool_service.spec, slot_bytes=SIZE)
+    keys = _keys("rt", 6)
+    assert tier.healthy
+    assert tier.contains_many(keys) == [False] * 6
+    assert tier.put_many([(k, _block(i)) for i, k in enumerate(keys[:4])]) == []
+    assert tier.contains_many(keys) == [True] * 4 + [False] * 2
+    assert tier.get_many(keys) == [_block(0), _block(1), _block(2), _block(3), None, None]
+    assert tier.stats.hits == 4 and tier.stats.misses == 2 and tier.stats.bytes_read == 4 * SIZE
+    assert tier.delete(keys[0]) and tier.contains_many(keys[:1]) == [False]
+    tier.close()
+
+
+def test_another_server_sees_the_blocks(pool_service, tmp_path):
+    """Two managers (two servers), each DRAM over the shared pool: B's miss in DRAM is A's pool block."""
+    a = build_manager(["dram:1MiB", pool_service.spec], slot_bytes=SIZE)
+    b = build_manager(["dram:1MiB", pool_service.spec], slot_bytes=SIZE)
+    keys = _keys("share", 3)
+    a.put_many([(k, _block(i)) for i, k in enumerate(keys)])
+    a.flush()
+    pool_name = b.tiers[1].name
+    assert b.lookup(keys) == [pool_name] * 3
+    assert b.get_prefix(keys) == [_block(i) for i in range(3)]
+    assert b.lookup(keys) == ["dram"] * 3  # promoted into B's DRAM
+    a.close(), b.close()
+
+
+def test_another_process_sees_the_blocks(pool_service):
+    keys = _keys("proc", 2)
+    code = (
+        "import sys, torch\n"
+        "from kvtier.codecs import get_codec\n"
+        "from kvtier.tiers import make_tier\n"
+        "t = make_tier(sys.argv[1], slot_bytes=1)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "blocks = [get_codec('raw').encode(torch.randn((2, 2, 2, 16, 8), generator=g.manual_seed(i))) for i in range(2)]\n"
+        "t.put_many(list(zip([bytes.fromhex(h) for h in sys.argv[2:]], blocks)))\n"
+        "t.close()\n")
+    subprocess.run([sys.executable, "-c", code, pool_service.spec, *[k.hex() for k in keys]], check=True, timeout=60)
+    tier = make_tier(pool_service.spec, slot_bytes=SIZE)
+    assert tier.get_many(keys) == [_block(0), _block(1)]
+    tier.close()
+
+
+def test_corrupt_pool_block_is_a_miss_and_deleted(pool_service):
+    m = build_manager([pool_service.spec], slot_bytes=SIZE)
+    keys = _keys("bad", 2)
+    bad = bytearray(_block(1))
+    bad[-3] ^= 0x10
+    m.tiers[0].put_many([(keys[0], _block(0)), (keys[1], bytes(bad))])
+    assert m.get_prefix(keys) == [_block(0)]
+    assert m.tiers[0].stats.corrupt == 1 and m.tiers[0].contains_many(keys) == [True, False]
+    m.close()
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "redis"])
+def test_pool_dies_mid_run_and_comes_back(kind, tmp_path, monkeypatch):
+    """DRAM + pool + SSD: the pool is killed; reads fall back to DRAM/SSD, writes keep landing on SSD,
+    nothing raises; the pool restarts and the manager reconnects on its own (back-off) and uses it."""
+    import kvtier.manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "BACKOFF_START_S", 0.2)
+    service = MooncakePool(tmp_path, segment="64MB") if kind == "mooncake" else RedisServer(tmp_path)
+    service.start()
+    try:
+        dram, ssd = HostTier(2 * SIZE, SIZE), DiskTier(tmp_path / "ssd", 100 * SIZE)
+        pool = make_tier(service.spec, slot_bytes=SIZE)
+        m = TierManager([dram, pool, ssd])
+        keys = _keys("fault", 6)
+        m.put_many([(k, _block(i)) for i, k in enumerate(keys[:3])])
+        m.flush()
+        assert pool.contains_many(keys[:3]) == [True] * 3
+        service.kill()
+        m.put_many([(k, _block(i)) for i, k in enumerate(keys[3:], start=3)])  # must not raise
+        m.flush()
+        # every block is still served, from DRAM (the last two) or the SSD; the dead pool is skipped
+        assert m.get_prefix(keys) == [_block(i) for i in range(6)]
+        assert not pool.healthy and pool.stats.errors >= 1
+        assert ssd.contains_many(keys) == [True] * 6
+        service.start()
+        assert _wait(lambda: (m.lookup(keys[:1]), pool.healthy)[1])
+        new = _keys("after", 1)
+        m.put_many([(new[0], _block(9))])
+        m.flush()
+        assert pool.contains_many(new) == [True]
+        m.close()
+    finally:
+        service.kill()
+
+
+@pytest.mark.parametrize("spec", ["mooncake://127.0.0.1:{port}", "redis://127.0.0.1:{port}/0"])
+def test_pool_down_at_start_is_an_unhealthy_tier_not_an_error(spec, tmp_path):
+    m = build_manager(["dram:1MiB", spec.format(port=free_port())], slot_bytes=SIZE)
+    assert not m.tiers[1].healthy
+    keys = _keys("down", 2)
+    m.put_many([(k, _block(i)) for i, k in enumerate(keys)])
+    m.flush()
+    assert m.get_prefix(keys) == [_block(0), _block(1)]
+    m.close()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("mooncake://nohost", "host:port"),
+    ("mooncake://127.0.0.1:1?colour=blue", "unknown mooncake tier option"),
+    ("mooncake://127.0.0.1:1?segment=lots", "cannot parse"),
+])
+def test_bad_mooncake_spec(spec, message):
+    with pytest.raises((UserError, ValueError), match=message):
+        parse_spec(spec)
+
+
+def test_mooncake_spec_defaults():
+    b = parse_spec("mooncake:10.0.0.5:50051?segment=1GiB")
+    assert b.master == "10.0.0.5:50051" and b.metadata == "http://10.0.0.5:8080/metadata"
+    assert b.segment_bytes == 1 << 30 and b.buffer_bytes == 256 << 20 and b.protocol == "tcp"
