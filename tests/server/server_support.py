@@ -1,4 +1,4 @@
-"""A real uvicorn server on 127.0.0.1 (a free port) in a background thread."""
+"""A real uvicorn server on 127.0.0.1 (a free port) in a background thread; the tiny-model app."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ import socket
 import threading
 
 import uvicorn
+
+from kvtier.codecs import get_codec
+from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
+from kvtier.manager import build_manager
+from kvtier.server.app import create_app
+from kvtier.server.tokenizer import ByteTokenizer
 
 
 def free_port() -> int:
@@ -32,3 +38,16 @@ def running(app):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+BLOCK = 8
+MAX_MODEL_TOKENS = 512
+
+
+def tiny_app(model, num_blocks: int = 96, **kwargs):
+    layout = model.kv_layout(BLOCK)
+    manager = build_manager(["dram:4MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    config = EngineConfig(device_kv_budget_bytes=num_blocks * layout.block_bytes, block_tokens=BLOCK,
+                          max_prefill_tokens=64, max_model_tokens=MAX_MODEL_TOKENS, **kwargs)
+    engine = AsyncEngine(LLMEngine(model, config, manager))
+    return create_app(engine, ByteTokenizer(), "tiny", manager=manager, on_shutdown=manager.close)

@@ -6,8 +6,7 @@ import json
 
 import httpx
 
-from conftest import tiny_app
-from server_support import running
+from server_support import running, tiny_app
 
 NUM_CLIENTS = 24
 MAX_TOKENS = 24
