@@ -73,6 +73,7 @@ class LLMEngine:
         self.num_blocks = config.device_kv_budget_bytes // self.layout.block_bytes
         self.codec = get_codec(config.codec)
         model_config = loaded.model.config.get_text_config(decoder=True)
+        _require_full_attention(model_config)
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
         device = next(loaded.model.parameters()).device
         self.block_manager = BlockManager(self.num_blocks)
@@ -190,6 +191,14 @@ class LLMEngine:
             for output in self.step():
                 generated[output.request_id] += output.new_token_ids
         return [generated[request_id] for request_id in ids]
+
+
+def _require_full_attention(config) -> None:
+    # paged_attention attends to every cached token: a sliding-window layer would see too much
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    if any(kind != "full_attention" for kind in layer_types) or sliding:
+        raise ValueError("the engine serves full-attention models only (this one has sliding-window layers)")
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:
