@@ -39,6 +39,16 @@ class PrefixStats:
     stored_blocks: int = 0
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src. On the CPU a plain single-threaded memcpy (numpy over the bytes): a restore is
+    memory-bound, and torch's multi-threaded copy of many mid-sized slices collapses (10-100x) when
+    the cores are shared with other work. Devices and dtype changes go through `copy_`."""
+    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.stride(-1) == src.stride(-1) == 1:
+        dst.view(torch.uint8).numpy()[...] = src.view(torch.uint8).numpy()
+    else:
+        dst.copy_(src, non_blocking=True)
+
+
 class TieredLayer(DynamicLayer):
     """A `DynamicLayer` over a preallocated buffer that grows by doubling.
 
@@ -79,6 +89,14 @@ class TieredLayer(DynamicLayer):
             v_buf[..., :n, :].copy_(self.values)
         self._k_buf, self._v_buf = k_buf, v_buf
         self.keys, self.values = k_buf[..., :n, :], v_buf[..., :n, :]
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The preallocated K and V buffers [B, H, capacity, D] (after `reserve`)."""
+        return self._k_buf, self._v_buf
+
+    def set_length(self, num_tokens: int) -> None:
+        """The first `num_tokens` of the buffers hold valid KV (written in place by the caller)."""
+        self.keys, self.values = self._k_buf[..., :num_tokens, :], self._v_buf[..., :num_tokens, :]
 
     def _owns_views(self) -> bool:
         # `crop` keeps views of the buffer; `reorder_cache` & co. reassign new tensors (buffer stale).
@@ -236,19 +254,26 @@ class TieredCache(Cache):
         return num_cached
 
     def _fill(self, blocks: list[torch.Tensor], capacity_tokens: int) -> None:
-        """Write decoded blocks ([L, 2, H, T, D] each) into the layers' buffers."""
+        """Write decoded blocks ([L, 2, H, T, D] each) straight into the layers' buffers: one copy
+        per block and layer, no concatenation; the budget decides where each layer lives."""
         device = self._compute_device()
+        num_tokens = sum(block.shape[3] for block in blocks)
+        _, _, h, _, d = blocks[0].shape
         for layer_idx, layer in enumerate(self.layers):
-            # [1, H, T, D] per block -> one chunk per layer, written through update() so the
-            # budget decides where it lives
-            k = torch.cat([block[layer_idx, 0] for block in blocks], dim=-2).unsqueeze(0)
-            v = torch.cat([block[layer_idx, 1] for block in blocks], dim=-2).unsqueeze(0)
-            k, v = k.to(device=device, dtype=self.layout_dtype), v.to(device=device, dtype=self.layout_dtype)
-            self._apply_budget(layer_idx, k)
+            like = torch.empty((1, h, num_tokens, d), dtype=self.layout_dtype, device="meta")
+            self._apply_budget(layer_idx, like)
             if not layer.is_initialized:
-                layer.lazy_initialization(k, v)
-            layer.reserve(k, capacity_tokens)
-            layer.update(k, v)
+                empty = torch.empty((1, h, 0, d), dtype=self.layout_dtype, device=device)
+                layer.lazy_initialization(empty, empty)
+            layer.reserve(like, capacity_tokens)
+            k_buf, v_buf = layer.buffers()
+            start = 0
+            for block in blocks:
+                end = start + block.shape[3]
+                _copy(k_buf[0, :, start:end], block[layer_idx, 0])
+                _copy(v_buf[0, :, start:end], block[layer_idx, 1])
+                start = end
+            layer.set_length(num_tokens)
 
     @property
     def layout_dtype(self) -> torch.dtype:

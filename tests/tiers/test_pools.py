@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ from kvtier.manager import TierManager, build_manager
 from kvtier.tiers import DiskTier, HostTier, make_tier
 from kvtier.tiers.mooncake import parse_spec
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from support.services import MooncakePool, RedisServer, free_port  # noqa: E402
+from kvtier.services import MooncakePool, RedisServer, free_port
 
 pytestmark = pytest.mark.services
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import typer
 
 
@@ -10,19 +13,41 @@ def register(app: typer.Typer) -> None:
     app.add_typer(bench, name="bench")
 
     @bench.command("prefix")
-    def prefix(prefix_tokens: int = typer.Option(4096), tiers: str = typer.Option("dram,ssd"),
-               repeats: int = typer.Option(3, min=1)) -> None:
-        """TTFT of a request whose prefix is cached, per tier, against recomputing the prefill (SmolLM2)."""
+    def prefix(prefix_tokens: int = typer.Option(4096, min=2),
+               tiers: str = typer.Option("dram,ssd,mooncake,redis", help="comma list of dram, ssd, mooncake, redis"),
+               repeats: int = typer.Option(3, min=1),
+               ssd_dir: str = typer.Option(None, help="where the SSD tier's files go (default: the temp dir)"),
+               mooncake_url: str = typer.Option(None, help="an existing pool (default: start one on 127.0.0.1)"),
+               redis_url: str = typer.Option(None, help="an existing redis (default: start one on 127.0.0.1)"),
+               plot_path: Path = typer.Option(None, "--plot", help="write a PNG of TTFT and bandwidth")) -> None:
+        """TTFT of a request whose prefix is cached, per tier, vs recomputing the prefill; restore
+        bandwidth vs the raw medium (SmolLM2, one run)."""
         from rich.console import Console
         from rich.table import Table
 
-        from kvtier.bench.prefix import run
+        from kvtier.bench.prefix import plot, run
+        from kvtier.errors import UserError
 
-        rows = run(prefix_tokens, tuple(t.strip() for t in tiers.split(",")), repeats)
-        table = Table(title=f"TTFT with a cached {prefix_tokens}-token prefix (SmolLM2-135M, fp32 KV, median of {repeats})")
-        for col in ("source", "cached tokens", "TTFT", "speed-up vs recompute", "restore GB/s (load_prefix)"):
+        names = tuple(t.strip() for t in tiers.split(",") if t.strip())
+        unknown = set(names) - {"dram", "ssd", "mooncake", "redis"}
+        if unknown:
+            raise UserError(f"unknown tier(s) {', '.join(sorted(unknown))}: use dram, ssd, mooncake, redis")
+        urls = {k: v for k, v in (("mooncake", mooncake_url), ("redis", redis_url)) if v}
+        console = Console()
+        rows = run(prefix_tokens, names, repeats, ssd_dir=ssd_dir, pool_urls=urls,
+                   progress=lambda msg: console.log(msg))
+        title = (f"TTFT with a cached {prefix_tokens}-token prefix (SmolLM2-135M, fp32 KV, raw codec, median of "
+                 f"{repeats}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
+        table = Table(title=title)
+        for col in ("source", "cached tokens", "TTFT", "vs recompute", "restore GB/s", "raw medium GB/s",
+                    "restore / raw"):
             table.add_column(col)
         for r in rows:
             table.add_row(r.tier, str(r.cached_tokens), f"{r.ttft_s * 1000:.1f} ms", f"{r.speedup:.1f}x",
-                          f"{r.restore_gb_s:.2f}" if r.restore_gb_s else "-")
-        Console().print(table)
+                          f"{r.restore_gb_s:.2f}" if r.restore_gb_s else "-",
+                          f"{r.raw_gb_s:.2f}" if r.raw_gb_s else "-",
+                          f"{r.restore_fraction:.0%}" if r.raw_gb_s else "-")
+        console.print(table)
+        if plot_path:
+            plot(rows, plot_path, title)
+            console.print(f"plot written to {plot_path}")

@@ -1,23 +1,35 @@
-"""`kvtier bench prefix`: TTFT of a request whose long prefix is cached, per tier, vs recompute.
+"""`kvtier bench prefix`: TTFT of a request whose long prefix is cached, per tier, against recomputing
+the prefill; and each tier's restore bandwidth against its medium's raw bandwidth, same run.
 
-Protocol (all in one process, one run, on the same model and prompt):
+Protocol (one process, one run, the same model and prompt):
 1. recompute: an empty cache prefills the whole prompt and produces the first token;
-2. for each tier (alone in its manager): a first request stores the prompt's full blocks, then
-   `repeats` fresh requests look the prefix up, load it, compute the remaining tokens (at least
-   the last one) and produce the first token. TTFT is wall time from cache creation to the first
-   token's logits. Medians are reported.
-The ratio is recompute TTFT / tier TTFT.
+2. for each tier (alone in its manager): a first request stores the prompt's full blocks; then
+   `repeats` fresh requests look the prefix up, load it, compute the rest (at least the last
+   token) and produce the first token, which must equal recompute's. TTFT is wall time from cache
+   creation to the first token's logits; medians are reported. SSD reads are cold: the block files
+   are dropped from the page cache (posix_fadvise DONTNEED) before each request.
+3. restore bandwidth = restored KV bytes / `load_prefix` time (lookup + verified get + decode + copy
+   into the layer buffers), against the raw medium moving the same bytes in the same run: a numpy
+   memcpy (DRAM), a cold sequential read of one file (SSD), the backend's own batched get of the
+   same keys (Mooncake `get_batch`, Redis `MGET`).
+Pool tiers use the given URLs, or local services on 127.0.0.1 started (and stopped) by the run.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvtier.hf import TieredCache
+
+POOL_TIERS = ("mooncake", "redis")
 
 
 @dataclass(slots=True)
@@ -27,67 +39,180 @@ class PrefixRow:
     cached_tokens: int
     ttft_s: float
     speedup: float
-    restore_gb_s: float
+    restore_gb_s: float = 0.0
+    raw_gb_s: float = 0.0
+
+    @property
+    def restore_fraction(self) -> float:
+        return self.restore_gb_s / self.raw_gb_s if self.raw_gb_s else 0.0
 
 
-def _first_token(loaded, ids: torch.Tensor, cache: TieredCache) -> tuple[int, float]:
+def _first_token(loaded, ids: torch.Tensor, cache: TieredCache) -> tuple[int, float, float]:
     start = time.perf_counter()
     num_cached = cache.load_prefix(ids)
-    cache.load_seconds = time.perf_counter() - start
+    load_s = time.perf_counter() - start
     with torch.inference_mode():
         logits = loaded.model(ids[:, num_cached:], past_key_values=cache, use_cache=True).logits
     token = int(logits[0, -1].argmax())
-    return token, time.perf_counter() - start
+    return token, time.perf_counter() - start, load_s
 
 
 def measure_recompute(loaded, ids: torch.Tensor, repeats: int) -> tuple[int, float]:
     times, token = [], -1
     for _ in range(repeats):
-        token, seconds = _first_token(loaded, ids, TieredCache.for_model(loaded))
+        token, seconds, _ = _first_token(loaded, ids, TieredCache.for_model(loaded))
         times.append(seconds)
     return token, statistics.median(times)
 
 
+def drop_page_cache(directory: Path) -> None:
+    """Evict a directory's (fsynced) files from the page cache, so the next read goes to the disk."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, recompute_s: float,
-                 expected_token: int, block_tokens: int) -> PrefixRow:
+                 expected_token: int, block_tokens: int, before_each=None) -> PrefixRow:
     warm = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
     _first_token(loaded, ids, warm)
     warm.store(ids[0])
     manager.flush()
     times, loads, cached = [], [], 0
     for _ in range(repeats):
+        if before_each:
+            before_each()
         cache = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
-        token, seconds = _first_token(loaded, ids, cache)
+        token, seconds, load_s = _first_token(loaded, ids, cache)
         if token != expected_token:
             raise AssertionError(f"{tier}: first token {token} differs from recompute's {expected_token}")
         cached = cache.prefix.cached_tokens
         times.append(seconds)
-        loads.append(cache.load_seconds)
+        loads.append(load_s)
     ttft = statistics.median(times)
     restore_bytes = cached * loaded.kv_layout(block_tokens).bytes_per_token
     return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / statistics.median(loads) / 1e9)
 
 
-def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd"), repeats: int = 3,
-        block_tokens: int = 256, ssd_dir: str | None = None) -> list[PrefixRow]:
-    """The whole benchmark on SmolLM2 and tinyshakespeare; returns one row per tier plus recompute."""
-    import tempfile
+# -- the raw media, moving the same bytes ---------------------------------------------------------
+def raw_memcpy_gb_s(num_bytes: int, repeats: int) -> float:
+    src = np.ones(num_bytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst = src.copy()  # a fresh destination, as a restore allocates its layer buffers
+        times.append(time.perf_counter() - start)
+        del dst
+    return num_bytes / statistics.median(times) / 1e9
 
-    from kvtier import models
+
+def raw_file_read_gb_s(directory: Path, num_bytes: int, repeats: int) -> float:
+    path = directory / "raw-read.bin"
+    with open(path, "wb") as f:
+        f.write(np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    times = []
+    for _ in range(repeats):
+        drop_page_cache(directory)
+        start = time.perf_counter()
+        path.read_bytes()
+        times.append(time.perf_counter() - start)
+    path.unlink()
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, repeats: int) -> float:
+    """The backend's own batched get (Mooncake get_batch / Redis MGET) of the very blocks restored."""
+    from kvtier.blocks import block_keys
+
+    tier = manager.tiers[0]
+    space = TieredCache.for_model(loaded, manager, block_tokens=block_tokens).space
+    usable = (ids.shape[1] - 1) // block_tokens
+    names = tier._names(block_keys(space, ids[0, :usable * block_tokens].tolist()))
+    times, num_bytes = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        datas = tier.backend.get(names)
+        times.append(time.perf_counter() - start)
+        num_bytes = sum(len(d) for d in datas if d)
+    return num_bytes / statistics.median(times) / 1e9
+
+
+def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POOL_TIERS), repeats: int = 3,
+        block_tokens: int = 256, ssd_dir: str | None = None, pool_urls: dict[str, str] | None = None,
+        progress=print) -> list[PrefixRow]:
+    """The whole benchmark on SmolLM2 and tinyshakespeare; one row per tier plus recompute."""
+    from kvtier import models, services
     from kvtier.codecs import get_codec
     from kvtier.data import SHAKESPEARE, shared_data_file
     from kvtier.manager import build_manager
 
+    pool_urls = dict(pool_urls or {})
     loaded = models.load("smollm2")
     text = shared_data_file(SHAKESPEARE).read_text()[:prefix_tokens * 8]
     ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, :prefix_tokens + 1]
+    progress(f"recompute: prefill of {ids.shape[1]} tokens × {repeats}")
     token, recompute_s = measure_recompute(loaded, ids, repeats)
-    rows = [PrefixRow("recompute", prefix_tokens, 0, recompute_s, 1.0, 0.0)]
+    rows = [PrefixRow("recompute", prefix_tokens, 0, recompute_s, 1.0)]
     slot = get_codec("raw").max_encoded_bytes(loaded.kv_layout(block_tokens))
+    started: list[services.Service] = []
     with tempfile.TemporaryDirectory(dir=ssd_dir) as tmp:
-        specs = {"dram": "dram:2GiB", "ssd": f"ssd:{tmp}:4GiB"}
-        for tier in tiers:
-            manager = build_manager([specs[tier]], slot_bytes=slot)
-            rows.append(measure_tier(loaded, manager, tier, ids, repeats, recompute_s, token, block_tokens))
-            manager.close()
+        tmp = Path(tmp)
+        try:
+            for tier in tiers:
+                if tier in POOL_TIERS and tier not in pool_urls:
+                    progress(f"starting a local {tier} service on 127.0.0.1")
+                    service = services.MooncakePool(tmp, segment="2GB", buffer="512MiB") if tier == "mooncake" \
+                        else services.RedisServer(tmp, maxmemory="2gb")
+                    service.start()
+                    started.append(service)
+                    pool_urls[tier] = service.spec
+                spec = {"dram": "dram:2GiB", "ssd": f"ssd:{tmp / 'ssd'}:4GiB"}.get(tier) or pool_urls[tier]
+                progress(f"{tier}: store, then {repeats} cached requests")
+                manager = build_manager([spec], slot_bytes=slot, async_writes=False)
+                before = (lambda: drop_page_cache(tmp / "ssd")) if tier == "ssd" else None
+                row = measure_tier(loaded, manager, tier, ids, repeats, recompute_s, token, block_tokens, before)
+                num_bytes = row.cached_tokens * loaded.kv_layout(block_tokens).bytes_per_token
+                if tier == "dram":
+                    row.raw_gb_s = raw_memcpy_gb_s(num_bytes, repeats)
+                elif tier == "ssd":
+                    row.raw_gb_s = raw_file_read_gb_s(tmp, num_bytes, repeats)
+                else:
+                    row.raw_gb_s = raw_pool_get_gb_s(manager, loaded, ids, block_tokens, repeats)
+                rows.append(row)
+                manager.close()
+        finally:
+            for service in started:
+                service.kill()
     return rows
+
+
+def plot(rows: list[PrefixRow], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [r.tier for r in rows]
+    ax1.bar(names, [r.ttft_s * 1000 for r in rows], color=["#999"] + ["#2a7"] * (len(rows) - 1))
+    ax1.set_yscale("log")
+    ax1.set_ylabel("TTFT (ms, log)")
+    for i, r in enumerate(rows):
+        ax1.text(i, r.ttft_s * 1000, f"{r.speedup:.0f}x" if i else "1x", ha="center", va="bottom")
+    tiers = [r for r in rows if r.raw_gb_s]
+    x = np.arange(len(tiers))
+    ax2.bar(x - 0.2, [r.restore_gb_s for r in tiers], 0.4, label="kvtier restore")
+    ax2.bar(x + 0.2, [r.raw_gb_s for r in tiers], 0.4, label="raw medium")
+    ax2.set_xticks(x, [r.tier for r in tiers])
+    ax2.set_ylabel("GB/s")
+    ax2.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
