@@ -110,12 +110,14 @@ def render_sweep(sweep: dict, console=None) -> None:
 
 
 def plot_sweep(sweep: dict, path: str) -> None:
+    """Hit rate vs capacity, one line per configuration, each knee (90% of max) starred and labelled."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
     caps = sweep["capacities_tokens"]
     for name, curve in sweep["curves"].items():
         (line,) = ax.plot(caps, [100 * v for v in curve], marker="o", label=name)
@@ -123,17 +125,19 @@ def plot_sweep(sweep: dict, path: str) -> None:
         if knee is not None:
             y = 100 * curve[caps.index(knee)]
             ax.axvline(knee, color=line.get_color(), linestyle=":", alpha=0.6)
-            ax.annotate(fmt_tokens(knee), (knee, y), textcoords="offset points", xytext=(4, -12),
-                        color=line.get_color(), fontsize=8)
-    target = 90 * sweep["max_hit_rate"]
+            ax.plot([knee], [y], marker="*", markersize=16, color=line.get_color(), markeredgecolor="black", zorder=5)
+            ax.annotate(f"90% at {fmt_tokens(knee)}", (knee, y), textcoords="offset points", xytext=(6, -16),
+                        color=line.get_color(), fontsize=9, fontweight="bold")
     ax.axhline(100 * sweep["max_hit_rate"], color="black", linestyle="--", label="max (infinite cache)")
-    ax.axhline(target, color="gray", linestyle=":", label="90% of max")
-    ax.set_xscale("log")
+    ax.axhline(90 * sweep["max_hit_rate"], color="gray", linestyle=":", label="90% of max")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: fmt_tokens(x)))
     ax.set_xlabel(f"{sweep['axis']} (tokens)")
     ax.set_ylabel("token hit rate, all tiers (%)")
-    ax.set_title(sweep["title"])
+    ax.set_ylim(0, max(5.0, 105 * sweep["max_hit_rate"]))
+    ax.set_title(sweep["title"], fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

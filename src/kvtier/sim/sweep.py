@@ -64,9 +64,11 @@ def footprint_tokens(requests: list[Request], block_tokens: int = BLOCK_TOKENS) 
 
 
 def default_capacities(requests: list[Request], block_tokens: int = BLOCK_TOKENS, num_points: int = 9) -> list[int]:
-    """Doubling steps up to the trace's footprint (where every curve reaches the maximum)."""
-    top = footprint_tokens(requests, block_tokens)
-    return [max(block_tokens, top >> (num_points - 1 - i)) for i in range(num_points)]
+    """Up to `num_points` powers of two, from one block up to the first at or above the trace's
+    footprint (where a pool holds everything and reaches the maximum)."""
+    top_log2 = (max(footprint_tokens(requests, block_tokens), 1) - 1).bit_length()
+    low_log2 = min(top_log2, max(top_log2 - num_points + 1, (block_tokens - 1).bit_length()))  # >= one block
+    return [1 << e for e in range(low_log2, top_log2 + 1)]
 
 
 def knee(capacities: list[int], curve: list[float], max_hit_rate: float, fraction: float = 0.9) -> int | None:
@@ -96,8 +98,13 @@ def sweep(requests: list[Request], config: ClusterConfig, capacities: list[int] 
             "max_hit_rate": max_rate,
             "knee_tokens": {name: knee(capacities, curve, max_rate) for name, curve in curves.items()},
             "global_over_local": [_ratio(g, lo) for g, lo in zip(pooled, local)],
-            "title": f"{config.num_nodes} nodes x {config.gpus_per_node} {config.gpu}, {config.model}, "
-                     f"HBM {fmt_tokens(config.hbm_tokens)} tokens/node, SSD {fmt_tokens(config.ssd_tokens)} tokens/node"}
+            "title": _title(config, router)}
+
+
+def _title(config: ClusterConfig, router: str) -> str:
+    ssd = f", SSD {fmt_tokens(config.ssd_tokens)} tokens/node" if config.ssd_tokens else ""
+    return (f"{config.num_nodes} nodes x {config.gpus_per_node} {config.gpu}, {config.model}, "
+            f"HBM {fmt_tokens(config.hbm_tokens)} KV tokens/node{ssd}, write-{config.write_policy}")
 
 
 def num_sweep_replays(router: str, capacities: list[int]) -> int:
