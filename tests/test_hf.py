@@ -65,6 +65,27 @@ def test_prefix_is_reused_from_dram_and_output_is_identical(tmp_path, tiny_model
     manager.close()
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4+zstd"])
+def test_lossy_codec_prefix_loads_exactly_the_decoded_blocks(tmp_path, tiny_model, codec):
+    """A quantized tier codec: what the second request gets is exactly decode(encode(KV)), block by
+    block; a raw-codec cache never sees these blocks (the codec is part of the key)."""
+    from kvtier.codecs import get_codec
+
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(3 * BLOCK + 5)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, codec=codec)
+    _greedy(tiny_model, ids, first, n=2)
+    expected = [get_codec(codec).decode(get_codec(codec).encode(first.block_tensor(i))) for i in range(3)]
+    assert first.store(ids[0]) == 3
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, codec=codec)
+    assert second.load_prefix(ids) == 3 * BLOCK
+    for i in range(3):
+        assert torch.equal(second.block_tensor(i), expected[i])
+    assert len(_greedy(tiny_model, ids, second, n=4)) == 4  # generation runs on the dequantized prefix
+    assert TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK).load_prefix(ids) == 0
+    manager.close()
+
+
 def test_prompt_of_exact_blocks_still_computes_last_token(tmp_path, tiny_model):
     manager = _manager(tmp_path, tiny_model)
     ids = _prompt(4 * BLOCK)
