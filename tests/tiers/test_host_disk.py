@@ -93,3 +93,11 @@ def test_tier_specs():
         make_tier("tape:1GiB", slot_bytes=SIZE)
     with pytest.raises(UserError):
         make_tier("ssd:1GiB", slot_bytes=SIZE)
+
+
+def test_disk_batched_read_keeps_order_and_survives_a_vanished_file(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    tier.put_many([(K[i], _block(i)) for i in range(6)])
+    tier._path(K[2]).unlink()  # removed behind the tier's back (an operator, another process)
+    assert tier.get_many([K[0], K[1], K[2], K[3], K[7], K[5]]) == [_block(0), _block(1), None, _block(3), None, _block(5)]
+    assert tier.stats.errors == 1 and tier.contains_many([K[2]]) == [False]
