@@ -77,4 +77,5 @@ def test_progress_is_told_of_every_request():
 
 
 def test_fmt_tokens_reads_like_parse_count():
-    assert [fmt_tokens(n) for n in (0, 512, 1536, 3 << 20, 4489735, 2 << 30)] == ["0", "512", "1.5k", "3M", "4.28M", "2G"]
+    assert [fmt_tokens(n) for n in (0, 512, 1536, 3 << 20, 4489735, 2 << 30)] == [
+        "0", "512", "1.5k", "3M", "4.28M", "2G"]

@@ -6,10 +6,15 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvtier.errors import UserError
+
+if TYPE_CHECKING:
+    from kvtier.sim.cluster import ClusterConfig
+    from kvtier.sim.trace import Request
 
 
 def register(app: typer.Typer) -> None:
@@ -26,7 +31,8 @@ def register(app: typer.Typer) -> None:
         dram_tokens: str = typer.Option("0", help="host DRAM cache per node, in tokens (e.g. 8M)"),
         pool_tokens: str = typer.Option("0", help="pooled cache shared by all nodes, in tokens"),
         ssd_tokens: str = typer.Option("0", help="SSD cache per node, in tokens"),
-        router: str = typer.Option("round-robin", help="round-robin, least-loaded or best-prefix"),
+        router: str = typer.Option("round-robin", help="round-robin, least-loaded or best-prefix "
+                                                       "(= best-prefix-match)"),
         write_policy: str = typer.Option("through", help="through (new blocks go to every tier) or back "
                                                         "(evictions cascade one tier down)"),
         kv_dtype: str = typer.Option("bf16", help="KV dtype for the HBM budget and bytes moved"),
@@ -65,7 +71,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _config(model: str, gpu: str, nodes: int, gpus_per_node: int, hbm: str, dram: str, pool: str, ssd: str,
-            write_policy: str, kv_dtype: str, mfu: float):
+            write_policy: str, kv_dtype: str, mfu: float) -> ClusterConfig:
     from kvtier.sim.cluster import ClusterConfig, node_spec
     from kvtier.units import parse_count
 
@@ -92,7 +98,8 @@ def _capacities(spec: str) -> list[int] | None:
     return capacities
 
 
-def _run(requests, config, router: str, sweep_spec: str | None, *, show_progress: bool):
+def _run(requests: list[Request], config: ClusterConfig, router: str, sweep_spec: str | None, *,
+         show_progress: bool) -> tuple[dict, dict | None]:
     """The replay of `config`, its local-vs-global comparison (several nodes with a DRAM-class cache),
     and the sweep if asked; one rich progress bar over all of it on a terminal."""
     from kvtier.sim import sweep as sw

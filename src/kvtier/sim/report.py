@@ -28,7 +28,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def summarize(result: SimResult, local_vs_global: dict | None = None) -> dict:
-    """The JSON object of one replay. Rates are token-weighted; bytes are KV bytes of all TP ranks;
+    """The JSON object of one replay. Rates are token-weighted fractions of all input tokens
+    (`hit_rate_by_tier` sums to `hit_rate`); bytes are KV bytes of all TP ranks;
     `bytes_read_by_tier` is what each lower tier sends to HBM for its hits (HBM hits move nothing)."""
     c = result.config
     saved_flops = result.hit_tokens * c.flops_per_token
