@@ -131,3 +131,27 @@ def test_client_disconnect_mid_stream_aborts_only_that_request(tiny_server):
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 5
     assert app.state.kvtier.metrics.totals.num_finished_by_reason.get("abort") == 1
     assert engine.stats().num_running == 0
+
+
+def test_stop_string_cuts_the_text(tiny_server):
+    url, _ = tiny_server
+    body = {"model": "tiny", "prompt": "Friends, Romans, countrymen", "max_tokens": 40, "temperature": 0}
+    full = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    clean = [i for i in range(3, len(full) - 2) if "\ufffd" not in full[i:i + 2] and full[i:i + 2] not in full[:i]]
+    assert clean, full
+    stop = full[clean[0]:clean[0] + 2]
+    cut = post(url, "/v1/completions", {**body, "stop": [stop]}).json()["choices"][0]
+    assert cut["text"] == full[:clean[0]] and cut["finish_reason"] == "stop"
+    streamed, chunks = sse_text(url, "/v1/completions", {**body, "stop": stop, "stream": True})
+    assert streamed == full[:clean[0]] and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_without_max_tokens_is_bounded_by_the_budget(tiny_server):
+    url, app = tiny_server
+    engine = app.state.kvtier.engine.engine
+    assert engine.max_request_tokens == 512  # min(context 512, 96 blocks x 8)
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                           "temperature": 0, "stop": "\n\n\n\n"})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 512

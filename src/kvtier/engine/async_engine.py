@@ -103,7 +103,7 @@ class AsyncEngine:
                 _, request_id, prompt, sampling, namespace = command
                 try:
                     self.engine.add_request(request_id, prompt, sampling, namespace)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 — refused (ValueError) or broken: tell that caller only
                     self._push(request_id, exc)
             else:
                 self.engine.abort_request(command[1])

@@ -99,6 +99,11 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest sequence (prompt + generated) this engine can hold: context and device budget."""
+        return min(self.max_model_tokens, self.num_blocks * self.layout.block_tokens)
+
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError (a message for the client) if such a request can never run here."""
         if num_prompt_tokens <= 0:

@@ -141,8 +141,8 @@ def _param(loc: tuple) -> str | None:
 
 def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
     engine = state.engine.engine
-    if max_tokens is None:
-        max_tokens = max(1, engine.max_model_tokens - num_prompt_tokens)
+    if max_tokens is None:  # as much as the context and the device budget allow
+        max_tokens = max(1, engine.max_request_tokens - num_prompt_tokens)
     try:
         engine.check_request(num_prompt_tokens, max_tokens)
     except ValueError as exc:
