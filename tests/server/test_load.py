@@ -1,8 +1,9 @@
-"""Bounded load on 127.0.0.1: 24 concurrent streaming clients on a device budget too small for all of
-them (preemption and tier traffic happen); every text equals the same request run alone."""
+"""Bounded load on 127.0.0.1: 24 concurrent streaming clients (and 5 more that hang up mid-stream) on a
+device budget too small for all of them; every complete text equals the same request run alone."""
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -24,7 +25,7 @@ async def solo(client: httpx.AsyncClient, prompt: str) -> str:
     return r.json()["choices"][0]["text"]
 
 
-async def streamed(client: httpx.AsyncClient, prompt: str) -> str:
+async def streamed(client: httpx.AsyncClient, prompt: str, hang_up_after: int | None = None) -> str:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     parts = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -32,6 +33,8 @@ async def streamed(client: httpx.AsyncClient, prompt: str) -> str:
         async for line in response.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 parts.append(json.loads(line[6:])["choices"][0]["text"])
+            if hang_up_after is not None and len(parts) >= hang_up_after:
+                break  # the client goes away mid-stream
     return "".join(parts)
 
 
@@ -42,11 +45,20 @@ def test_concurrent_streams_equal_solo_runs(tiny_model, shakespeare_text):
         async def main():
             async with httpx.AsyncClient(base_url=url, timeout=120) as client:
                 alone = [await solo(client, p) for p in texts]
-                together = await asyncio.gather(*(streamed(client, p) for p in texts))
+                quitters = [streamed(client, texts[i], hang_up_after=2) for i in range(0, NUM_CLIENTS, 5)]
+                together, _ = await asyncio.gather(asyncio.gather(*(streamed(client, p) for p in texts)),
+                                                   asyncio.gather(*quitters))
             return alone, together
         alone, together = asyncio.run(main())
-        stats = app.state.kvtier.engine.engine.stats()
+        engine = app.state.kvtier.engine.engine
+        for _ in range(500):  # bounded wait for the hung-up requests to be aborted
+            if not engine.request_ids():
+                break
+            time.sleep(0.02)
+        stats = engine.stats()
+        num_aborted = app.state.kvtier.metrics.totals.num_finished_by_reason.get("abort", 0)
     assert together == alone
+    assert num_aborted == 5
     assert stats.num_running == stats.num_waiting == stats.num_swapped == 0
     assert stats.prefix_hit_tokens_by_tier  # the shared prefixes were reused
     assert stats.num_blocks_written_to_tiers > 0  # 24 solo runs overflow 40 blocks: evictions went to DRAM
