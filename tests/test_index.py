@@ -37,3 +37,12 @@ def test_zero_and_unbounded_capacity():
     for i in range(1000):
         assert unbounded.insert(i, 7) == []
     assert unbounded.used == 7000
+
+
+def test_refused_refresh_of_a_present_key_changes_nothing():
+    idx = LRUIndex(10)
+    idx.insert("a", 4)
+    idx.insert("b", 4)
+    assert idx.insert("a", 9, pinned=["b"]) is None  # would need b out, b is pinned
+    assert list(idx) == ["a", "b"] and idx.used == 8 and idx.size_of("a") == 4
+    assert idx.insert("a", 7) == [("b", 4)] and list(idx) == ["a"] and idx.used == 7

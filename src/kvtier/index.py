@@ -60,11 +60,16 @@ class LRUIndex:
         assert size >= 0, size
         if not self.fits(size):
             return None
+        old = self._key_to_size.get(key, 0)
+        need = 0 if self.capacity is None else self.used - old + size - self.capacity
+        if need > 0:
+            victims = self._victims(need, {key, *pinned})  # never evict the entry being refreshed
+            if victims is None:
+                return None
+        else:
+            victims = []
         if key in self._key_to_size:
             self.used -= self._key_to_size.pop(key)
-        victims = self._victims(self.used + size - (self.capacity if self.capacity is not None else self.used + size), set(pinned))
-        if victims is None:
-            return None
         for victim in victims:
             del self._key_to_size[victim[0]]
             self.used -= victim[1]
