@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvtier demo
+	$(BIN)/kvtier serve
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
