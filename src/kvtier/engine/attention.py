@@ -24,7 +24,7 @@ ATTN_IMPLEMENTATION = "kvtier_paged"
 class SeqSlice:
     q_start: int               # rows of this sequence in the flat batch
     q_end: int
-    block_table: torch.Tensor  # [num_blocks] long
+    kv_index: torch.Tensor     # [H * context] rows of a layer's cache viewed as [num_blocks * H * T, D]
     context_tokens: int        # tokens attended to: already computed + this step's
 
 
@@ -47,10 +47,12 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     k_cache[batch.slot_block_ids, :, batch.slot_offsets] = key[0].transpose(0, 1)  # [N, H, D]
     v_cache[batch.slot_block_ids, :, batch.slot_offsets] = value[0].transpose(0, 1)
     num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
     out = torch.empty_like(query)
     for s in batch.seqs:
-        k = k_cache[s.block_table].transpose(0, 1).reshape(num_heads, -1, head_dim)[:, :s.context_tokens]
-        v = v_cache[s.block_table].transpose(0, 1).reshape(num_heads, -1, head_dim)[:, :s.context_tokens]
+        # one gather straight into [H, context, D] (no block-then-transpose double copy)
+        k = k_rows.index_select(0, s.kv_index).view(num_heads, s.context_tokens, head_dim)
+        v = v_rows.index_select(0, s.kv_index).view(num_heads, s.context_tokens, head_dim)
         q = query[:, :, s.q_start:s.q_end]
         num_q = s.q_end - s.q_start
         mask = None
@@ -63,6 +65,14 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+
+
+def kv_index(block_table: torch.Tensor, context_tokens: int, num_heads: int, block_tokens: int) -> torch.Tensor:
+    """Row (h, p) of the flat `[num_blocks * H * T, D]` view for every head h and position p < context."""
+    pos = torch.arange(context_tokens, device=block_table.device)
+    blocks = block_table[pos // block_tokens]                                  # [context]
+    heads = torch.arange(num_heads, device=block_table.device)[:, None]
+    return ((blocks[None, :] * num_heads + heads) * block_tokens + pos % block_tokens).reshape(-1)
 
 
 def paged_model(model: torch.nn.Module) -> torch.nn.Module:

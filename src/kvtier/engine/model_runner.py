@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.engine.attention import PagedBatch, SeqSlice, paged_model
+from kvtier.engine.attention import PagedBatch, SeqSlice, kv_index, paged_model
 from kvtier.engine.scheduler import ScheduledChunk
 
 
@@ -50,7 +50,8 @@ class ModelRunner:
             slot_offsets += [p % block_tokens for p in range(start, end)]
             num_blocks = -(-end // block_tokens)
             table = torch.tensor(seq.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-            seqs.append(SeqSlice(q_start, len(token_ids), table, end))
+            index = kv_index(table, end, self.layout.num_kv_heads, block_tokens)
+            seqs.append(SeqSlice(q_start, len(token_ids), index, end))
             if end == seq.num_tokens:
                 last_rows.append((seq, len(token_ids) - 1))
         as_long = dict(dtype=torch.long, device=self.device)
