@@ -11,8 +11,8 @@ from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from kvtier.manager import build_manager
 from kvtier.server.app import create_app
 from kvtier.server.tokenizer import ByteTokenizer
+from kvtier.services import RedisServer
 from server_support import running
-from support.services import RedisServer
 
 pytestmark = pytest.mark.services
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 8, 40, 16
