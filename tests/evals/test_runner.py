@@ -13,7 +13,7 @@ from kvtier.errors import UserError
 from kvtier.evals import passkey as pk
 from kvtier.evals.cli import ByteTokenizer
 from kvtier.evals.perplexity import score_continuation, text_windows
-from kvtier.evals.runner import Method, fill, parse_methods, prefill
+from kvtier.evals.runner import ALL_METHODS, Method, fill, parse_methods, prefill
 from kvtier.levers.eviction import EvictionCache, EvictionPolicy
 
 REQUIRED_KEYS = {"method", "keep", "bytes_per_token", "compression", "ppl", "delta_ppl_pct", "passkey_acc"}
@@ -110,3 +110,44 @@ def test_kvtier_eval_bad_method_exits_2(capsys):
 
 def test_method_labels():
     assert Method("h2o", 0.25).label == "h2o@0.25" and Method("int8").label == "int8"
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_every_method_generates_end_to_end_and_reports_its_bytes(tiny_model, name):
+    from kvtier.evals.runner import EVICTION_METHODS, full_precision_bytes_per_token, kv_bytes
+
+    method = Method(name, 0.5 if name in EVICTION_METHODS else None)
+    cache = method.new_cache(tiny_model.model)
+    ids = _ids(150)  # past one 128-token block / residual, so every quantizer has quantized something
+    out = tiny_model.model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, 154) and torch.equal(out[:, :150], ids)
+    assert cache.get_seq_length() == 153
+    raw = full_precision_bytes_per_token(tiny_model.config) * 153    # 2 layers x K,V x 2 heads x 16 x 2 bytes
+    assert raw == 256 * 153
+    expected_ratio = {"raw": 1.0, "streamingllm": 2.0, "h2o": 2.0, "snapkv": 2.0}
+    ratio = raw / kv_bytes(cache, tiny_model.config)
+    if name in expected_ratio:
+        assert ratio == pytest.approx(expected_ratio[name], rel=0.01)
+    else:
+        assert ratio > 1.3   # 128 tokens quantized, 25 still 16-bit (hf-fp8: all 8-bit)
+
+
+def test_prefill_scores_are_shared_across_budgets_but_not_across_windows(tiny_model):
+    pre = prefill(tiny_model.model, _ids(48), record_queries=True)
+    half, quarter = EvictionPolicy("snapkv", keep=0.5), EvictionPolicy("snapkv", keep=0.25)
+    assert pre.policy_scores(half) is pre.policy_scores(quarter)
+    narrow = pre.policy_scores(EvictionPolicy("snapkv", keep=0.5, window_tokens=4))
+    assert not torch.equal(narrow[0], pre.policy_scores(half)[0])
+
+
+def test_kvtier_eval_passkey_only_with_a_narrow_snapkv_window(tiny_model, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--model", "tiny", "--methods", "snapkv", "--keep", "0.5", "--snapkv-window", "8",
+                  "--context", "", "--passkey-lengths", "300", "--passkey-depths", "0.5", "--json"])
+    assert exc.value.code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in rows] == ["raw", "snapkv-w8@0.5"]
+    for row in rows:
+        assert row["ppl"] is None and row["passkey_acc"] in (0.0, 1.0) and row["error"] is None
+    assert rows[1]["compression"] == pytest.approx(2.0, rel=0.05)
+    assert Method("snapkv", 0.5, 8).new_cache(tiny_model.model).policy.window_tokens == 8

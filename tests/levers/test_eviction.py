@@ -137,3 +137,53 @@ def test_policy_rejects_bad_budgets():
         EvictionPolicy("lru", keep=0.5)
     assert EvictionPolicy("h2o", keep=0.25).budget(10) == 3
     assert EvictionPolicy("h2o", keep=0.5).budget(10) == 5
+
+
+def _gathered_cache(config, full: DynamicCache, evicted: EvictionCache) -> DynamicCache:
+    """A plain cache holding, per layer and KV head, exactly the full-precision KV of the survivors."""
+    out = DynamicCache(config=config)
+    for idx, (full_layer, layer) in enumerate(zip(full.layers, evicted.layers)):
+        gather = layer.positions.unsqueeze(-1).expand(*layer.positions.shape, full_layer.keys.shape[-1])
+        out.update(full_layer.keys.gather(2, gather), full_layer.values.gather(2, gather), idx)
+    return out
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "h2o", "snapkv"])
+def test_after_eviction_the_next_token_sees_the_survivors_at_their_original_positions(tiny_model, name):
+    model, ids, nxt = tiny_model.model, _prompt(), torch.tensor([[9]])
+    cache = EvictionCache.for_model(tiny_model, EvictionPolicy(name, budget_tokens=16, window_tokens=4))
+    full = DynamicCache(config=tiny_model.config)
+    with torch.inference_mode():
+        model(ids, past_key_values=cache)
+        model(ids, past_key_values=full)
+        reference = _gathered_cache(tiny_model.config, full, cache)
+        shifted = _gathered_cache(tiny_model.config, full, cache)
+        got = model(nxt, past_key_values=cache).logits[0, -1]
+        # the reference attends to the same 16 survivors; the new token is RoPE-rotated at position 40
+        want = model(nxt, past_key_values=reference, position_ids=torch.tensor([[40]])).logits[0, -1]
+        wrong = model(nxt, past_key_values=shifted).logits[0, -1]  # position 16: the resident count
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not torch.allclose(got, wrong, atol=1e-3)
+
+
+def test_snapkv_selects_tokens_per_head_and_h2o_keeps_its_recent_half(tiny_model):
+    kept = {}
+    for name in ("h2o", "snapkv"):
+        cache = EvictionCache.for_model(tiny_model, EvictionPolicy(name, budget_tokens=12, window_tokens=4))
+        with torch.inference_mode():
+            tiny_model.model(_prompt(), past_key_values=cache)
+        kept[name] = cache.layers[0].positions[0]
+        assert kept[name].shape == (2, 12)
+    # H2O: the 6 most recent tokens + the heaviest older ones (accumulated causal mass favours the start)
+    assert kept["h2o"][:, 6:].tolist() == [list(range(34, 40))] * 2
+    # SnapKV: the 4-token observation window + the top of each KV head's own scores
+    assert kept["snapkv"][:, 8:].tolist() == [list(range(36, 40))] * 2
+    assert not torch.equal(kept["snapkv"][0], kept["snapkv"][1])
+
+
+def test_keep_fraction_follows_the_tokens_seen_during_decode(tiny_model):
+    cache = EvictionCache.for_model(tiny_model, EvictionPolicy("streamingllm", keep=0.25, num_sink_tokens=2))
+    tiny_model.model.generate(_prompt(), max_new_tokens=8, do_sample=False, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.num_seen_tokens == 47 and layer.num_resident_tokens == 12     # ceil(0.25 * 47)
+    assert layer.positions[0, 0].tolist() == [0, 1, *range(37, 47)]

@@ -34,11 +34,13 @@ def register(app: typer.Typer) -> None:
     def eval_command(
         methods: str = typer.Option(",".join(_default_methods()), help="comma-separated methods"),
         keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept"),
-        context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096"),
+        context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
+                                                 "('' to skip perplexity)"),
         windows: int = typer.Option(2, help="perplexity windows per context length"),
         chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk"),
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
+        snapkv_window: int = typer.Option(_default_snapkv_window(), help="SnapKV observation window (tokens at the end of the prompt)"),
         model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
         text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
@@ -49,7 +51,8 @@ def register(app: typer.Typer) -> None:
 
         from kvtier.evals import report, runner
 
-        config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths)
+        config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
+                         snapkv_window)
         if text is None:
             from kvtier.data import SHAKESPEARE, shared_data_file
 
@@ -61,12 +64,10 @@ def register(app: typer.Typer) -> None:
         loaded = _load(model)
         tokenizer = loaded.tokenizer or ByteTokenizer()
         loaded.tokenizer = tokenizer
-        token_ids = tokenizer(text.read_text(), return_tensors="pt").input_ids[0]
+        token_ids = tokenizer(text.read_text(), return_tensors="pt").input_ids[0] if config.context_tokens else None
         rows = runner.run_eval(loaded, config, token_ids,
                                progress=lambda msg: err.log(f"[{time.monotonic() - started:6.0f}s] {msg}"))
-        title = (f"kvtier eval · {loaded.name} · ppl: {config.num_windows}×{config.context_tokens} tokens "
-                 f"(second half scored in {config.chunk_tokens}-token chunks) · passkey: "
-                 f"{len(config.passkey_depths)} depths × {config.passkey_lengths} tokens")
+        title = f"kvtier eval · {loaded.name} · " + _protocol(config)
         if plot_path:
             report.plot(rows, plot_path, title)
         if json_out:
@@ -81,20 +82,34 @@ def register(app: typer.Typer) -> None:
             console.print(f"plot written to {plot_path}")
 
 
+def _default_snapkv_window() -> int:
+    from kvtier.levers.eviction import DEFAULT_SNAPKV_WINDOW_TOKENS
+
+    return DEFAULT_SNAPKV_WINDOW_TOKENS
+
+
 def _default_methods() -> tuple[str, ...]:
     from kvtier.evals.runner import DEFAULT_METHODS
 
     return tuple(m for m in DEFAULT_METHODS if m != "raw")
 
 
-def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths):
-    if windows < 1 or chunk < 1:
-        raise UserError("--windows and --chunk must be positive")
+def _protocol(config) -> str:
+    ppl = (f"ppl: {config.num_windows}×{config.context_tokens} tokens (second half scored in "
+           f"{config.chunk_tokens}-token chunks)") if config.context_tokens else "no ppl"
+    passkey = (f"passkey: {len(config.passkey_depths)} depths × {config.passkey_lengths} tokens"
+               if config.passkey_lengths else "no passkey")
+    return f"{ppl} · {passkey}"
+
+
+def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window):
+    if windows < 1 or chunk < 1 or snapkv_window < 1:
+        raise UserError("--windows, --chunk and --snapkv-window must be positive")
     depths = runner.parse_floats(passkey_depths, "--passkey-depths")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UserError("--passkey-depths must be fractions in [0, 1]")
     return runner.EvalConfig(
-        methods=runner.parse_methods(methods, keep),
+        methods=runner.parse_methods(methods, keep, snapkv_window),
         context_tokens=runner.parse_ints(context, "--context"),
         num_windows=windows, chunk_tokens=chunk,
         passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],

@@ -34,6 +34,7 @@ PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-hqq-int2"
 ALL_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, *PEER_METHODS)
 DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4",
                    "hf-hqq-int2")
+SNAPKV_WINDOW_TOKENS = eviction.DEFAULT_SNAPKV_WINDOW_TOKENS
 HF_GROUP_TOKENS = 64
 HF_RESIDUAL_TOKENS = 128
 
@@ -42,10 +43,14 @@ HF_RESIDUAL_TOKENS = 128
 class Method:
     name: str
     keep: float | None = None
+    window_tokens: int = SNAPKV_WINDOW_TOKENS   # SnapKV's observation window
 
     @property
     def label(self) -> str:
-        return self.name if self.keep is None else f"{self.name}@{self.keep:g}"
+        name = self.name
+        if name == "snapkv" and self.window_tokens != SNAPKV_WINDOW_TOKENS:
+            name = f"snapkv-w{self.window_tokens}"
+        return name if self.keep is None else f"{name}@{self.keep:g}"
 
     def new_cache(self, model: torch.nn.Module) -> Cache:
         if self.name == "raw":
@@ -55,7 +60,8 @@ class Method:
 
             return QuantizedKVCache(model.config, self.name)
         if self.name in EVICTION_METHODS:
-            return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep))
+            return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep,
+                                                                  window_tokens=self.window_tokens))
         if self.name == "hf-fp8":
             return QuantizedCache("fp8", model.config)
         backend, bits = self.name.removeprefix("hf-").split("-int")
@@ -64,7 +70,7 @@ class Method:
                               q_group_size=HF_GROUP_TOKENS, residual_length=HF_RESIDUAL_TOKENS)
 
 
-def parse_methods(methods: str, keeps: str) -> list[Method]:
+def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int = SNAPKV_WINDOW_TOKENS) -> list[Method]:
     """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first)."""
     names = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in ALL_METHODS]
@@ -76,7 +82,7 @@ def parse_methods(methods: str, keeps: str) -> list[Method]:
     out = [Method("raw")]
     for name in names:
         if name in EVICTION_METHODS:
-            out += [Method(name, k) for k in keep_values]
+            out += [Method(name, k, snapkv_window_tokens) for k in keep_values]
         elif name != "raw":
             out.append(Method(name))
     return out
@@ -109,15 +115,16 @@ class Prefill:
     values: list[torch.Tensor]
     queries: list[torch.Tensor] | None
     scaling: float
-    scores: dict[str, list[torch.Tensor | None]] = field(default_factory=dict)
+    scores: dict[tuple, list[torch.Tensor | None]] = field(default_factory=dict)
 
     def policy_scores(self, policy: EvictionPolicy) -> list[torch.Tensor | None]:
         """Each layer's prefill scores for `policy` (they do not depend on the budget: computed once)."""
-        if policy.name not in self.scores:
-            self.scores[policy.name] = [
+        key = (policy.name, policy.window_tokens, policy.kernel_tokens)  # what the scores depend on
+        if key not in self.scores:
+            self.scores[key] = [
                 eviction.policy_scores(policy, q, k, self.scaling) if policy.needs_queries else None
                 for q, k in zip(self.queries, self.keys)]
-        return self.scores[policy.name]
+        return self.scores[key]
 
 
 @torch.inference_mode()
@@ -218,7 +225,8 @@ class EvalRow:
 @dataclass(slots=True)
 class _Tally:
     nll_by_context: dict[int, NLL] = field(default_factory=dict)
-    bytes_per_token: list[float] = field(default_factory=list)
+    bytes_per_token: list[float] = field(default_factory=list)          # at the end of each ppl window
+    passkey_bytes_per_token: list[float] = field(default_factory=list)  # after each answer (passkey-only runs)
     correct_by_length: dict[int, list[bool]] = field(default_factory=dict)
     error: str | None = None
 
@@ -282,6 +290,7 @@ def _passkey_prompt(loaded, prompt: pk.PasskeyPrompt, config: EvalConfig, tallie
             answer = pk.greedy_answer(model, cache, prompt.cue_ids.to(model.device), config.answer_tokens)
             correct = pk.is_correct(loaded.tokenizer.decode(answer), prompt.passkey)
             tally.correct_by_length.setdefault(prompt.target_tokens, []).append(correct)
+            tally.passkey_bytes_per_token.append(kv_bytes(cache, model.config) / cache.get_seq_length())
 
         _guarded(tally, work)
 
@@ -300,8 +309,9 @@ def _rows(config: EvalConfig, tallies: dict[str, _Tally], raw_bytes_per_token: i
 
 
 def _fill_row(row: EvalRow, tally: _Tally, reference: _Tally, raw_bytes_per_token: int) -> None:
-    if tally.bytes_per_token:
-        row.bytes_per_token = round(sum(tally.bytes_per_token) / len(tally.bytes_per_token), 1)
+    sizes = tally.bytes_per_token or tally.passkey_bytes_per_token
+    if sizes:
+        row.bytes_per_token = round(sum(sizes) / len(sizes), 1)
         row.compression = round(raw_bytes_per_token / row.bytes_per_token, 3)
     if tally.nll_by_context:
         total = NLL()

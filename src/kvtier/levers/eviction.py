@@ -38,6 +38,7 @@ from kvtier.errors import UserError
 
 POLICIES = ("streamingllm", "h2o", "snapkv")
 _QUERY_CHUNK_TOKENS = 256  # bounds the [B, H, q, N] score tensor
+DEFAULT_SNAPKV_WINDOW_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -49,7 +50,7 @@ class EvictionPolicy:
     budget_tokens: int | None = None
     num_sink_tokens: int = 4          # StreamingLLM
     recent_fraction: float = 0.5      # H2O: share of the budget for the most recent tokens
-    window_tokens: int = 32           # SnapKV observation window
+    window_tokens: int = DEFAULT_SNAPKV_WINDOW_TOKENS  # SnapKV observation window
     kernel_tokens: int = 7            # SnapKV pooling
 
     def __post_init__(self) -> None:

@@ -86,19 +86,24 @@ class QuantizedKVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        residual_keys = torch.cat([self.keys, key_states], dim=-2)
+        residual_values = torch.cat([self.values, value_states], dim=-2)
+        # quantize before touching any state: a rejected update (NaN/inf) leaves the layer as it was
+        new_blocks, num_flushed = self._full_blocks(residual_keys, residual_values)
         old = [dequantize_block(b, self.quantizer, self.dtype) for b in self.blocks]
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        keys = torch.cat([k for k, _ in old] + [self.keys], dim=-2)
-        values = torch.cat([v for _, v in old] + [self.values], dim=-2)
-        self._flush_full_blocks()
+        # this pass attends to the old blocks dequantized + every token since exactly (KIVI)
+        keys = torch.cat([k for k, _ in old] + [residual_keys], dim=-2)
+        values = torch.cat([v for _, v in old] + [residual_values], dim=-2)
+        self.blocks += new_blocks
+        self.keys, self.values = residual_keys[..., num_flushed:, :], residual_values[..., num_flushed:, :]
         return keys, values
 
-    def _flush_full_blocks(self) -> None:
+    def _full_blocks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[list[QuantizedBlock], int]:
         r = self.residual_tokens
-        while self.keys.shape[-2] >= r:
-            self.blocks.append(quantize_block(self.keys[..., :r, :], self.values[..., :r, :], self.quantizer))
-            self.keys, self.values = self.keys[..., r:, :], self.values[..., r:, :]
+        num_flushed = keys.shape[-2] // r * r
+        blocks = [quantize_block(keys[..., i:i + r, :], values[..., i:i + r, :], self.quantizer)
+                  for i in range(0, num_flushed, r)]
+        return blocks, num_flushed
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
