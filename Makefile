@@ -8,11 +8,12 @@ STAMP := $(VENV)/.kvtier-installed
 .PHONY: run test setup system-deps
 
 # Debian packages: redis-server for the Redis tier and its tests; the RDMA/NUMA
-# libraries that the Mooncake transfer engine links against (TCP is used here).
+# libraries that the Mooncake transfer engine links against (TCP is used here); chromium for the
+# dashboard's headless-browser test (driven by Playwright, which uses this browser: no download).
 system-deps:
-	@if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then \
+	@if ! command -v redis-server >/dev/null || ! command -v chromium >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server libibverbs1 librdmacm1 ibverbs-providers libnuma1 >/dev/null; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server chromium libibverbs1 librdmacm1 ibverbs-providers libnuma1 >/dev/null; \
 	fi
 
 $(STAMP): pyproject.toml

@@ -51,3 +51,7 @@ def register(app: typer.Typer) -> None:
         if plot_path:
             plot(rows, plot_path, title)
             console.print(f"plot written to {plot_path}")
+
+    from kvtier.bench.serve import add_command as add_serve_command
+
+    add_serve_command(bench)
