@@ -42,6 +42,8 @@ class ServerState:
     metrics: ServerMetrics
     vocab_size: int
     created: int
+    trace: object | None = None         # a sim.trace.TraceRecorder: finished requests, Mooncake format
+    started_perf: float = 0.0          # time.perf_counter() at start: trace timestamps count from it
 
 
 def engine_view(async_engine: AsyncEngine) -> EngineView:
@@ -50,8 +52,10 @@ def engine_view(async_engine: AsyncEngine) -> EngineView:
 
 
 def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, manager=None,
-               on_shutdown=None) -> FastAPI:
-    """`on_shutdown()` runs after the engine thread stopped (flush blocks, close the tiers)."""
+               on_shutdown=None, record_trace=None) -> FastAPI:
+    """`on_shutdown()` runs after the engine thread stopped (flush blocks, close the tiers).
+    `record_trace`: a JSONL path; every finished request is appended in the Mooncake trace format
+    (`kvtier simulate` replays it)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
@@ -59,11 +63,18 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, manager
         async_engine.shutdown()
         if on_shutdown is not None:
             on_shutdown()
+        if state.trace is not None:
+            state.trace.close()
 
     app = FastAPI(title="kvtier", lifespan=lifespan)
     vocab_size = int(async_engine.engine.runner.lm_head.out_features)
     state = ServerState(async_engine, tokenizer, model_name,
-                        ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()))
+                        ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()),
+                        started_perf=time.perf_counter())
+    if record_trace is not None:
+        from kvtier.sim.trace import TraceRecorder
+
+        state.trace = TraceRecorder(record_trace)
     app.state.kvtier = state
     _add_error_handlers(app, state)
     _add_info_routes(app, state)
@@ -202,7 +213,16 @@ def _generation(state: ServerState, prefix: str, req, prompt_ids: list[int], sam
                 started_at: float) -> Generation:
     return Generation(state.engine, state.tokenizer, state.metrics, request_id=f"{prefix}-{uuid.uuid4().hex}",
                       prompt_token_ids=prompt_ids, sampling=sampling, namespace=req.cache_salt or "",
-                      stops=req.stop_strings(), started_at=started_at)
+                      stops=req.stop_strings(), started_at=started_at,
+                      on_finish=(lambda g: _record(state, g)) if state.trace is not None else None)
+
+
+def _record(state: ServerState, gen: Generation) -> None:
+    from kvtier.sim.trace import trace_hash_ids
+
+    state.trace.record(round((gen.started_at - state.started_perf) * 1000, 3),
+                       len(gen.prompt_token_ids), gen.num_generated_tokens,
+                       trace_hash_ids(gen.prompt_token_ids, gen.namespace))
 
 
 async def _collect(state: ServerState, gen: Generation) -> str | Response:

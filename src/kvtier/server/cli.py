@@ -34,7 +34,7 @@ def build_app(config):
 
     tokenizer = loaded.tokenizer or ByteTokenizer()
     return create_app(AsyncEngine(engine), tokenizer, config.served_model_name or loaded.name,
-                      manager=manager, on_shutdown=on_shutdown)
+                      manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace)
 
 
 def register(app: typer.Typer) -> None:
@@ -57,6 +57,8 @@ def register(app: typer.Typer) -> None:
         preemption: str = typer.Option(None, help="swap (to host memory) or recompute [swap]"),
         host_swap: str = typer.Option(None, help="host memory for swapped sequences [4GiB]"),
         max_model_tokens: int = typer.Option(None, help="context limit [the model's]"),
+        record_trace: str = typer.Option(None, help="append each finished request to this JSONL in the Mooncake "
+                                                    "trace format, for `kvtier simulate`"),
     ) -> None:
         """Serve the OpenAI API (completions, chat, SSE) on a fixed device KV budget with tiered prefixes."""
         import uvicorn
@@ -67,7 +69,8 @@ def register(app: typer.Typer) -> None:
                                   port=port, device_kv_budget=device_kv_budget, block_tokens=block_tokens,
                                   tiers=[] if no_tiers else (list(tier or []) or None), codec=codec,
                                   max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                                  preemption=preemption, host_swap=host_swap, max_model_tokens=max_model_tokens)
+                                  preemption=preemption, host_swap=host_swap, max_model_tokens=max_model_tokens,
+                                  record_trace=record_trace)
         app_ = build_app(config)
         print(f"kvtier serve: http://{config.host}:{config.port}/v1 (dashboard: /dashboard)", flush=True)
         uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")

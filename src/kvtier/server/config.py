@@ -32,6 +32,7 @@ class ServeConfig:
     host_swap: str = "4GiB"
     prefix_caching: bool = True
     max_model_tokens: int | None = None
+    record_trace: str | None = None      # append finished requests to this JSONL (Mooncake trace format)
 
     def __post_init__(self) -> None:
         if self.preemption not in ("swap", "recompute"):

@@ -25,7 +25,7 @@ class EngineAbortedError(RuntimeError):
 class Generation:
     def __init__(self, async_engine, tokenizer, metrics: ServerMetrics, *, request_id: str,
                  prompt_token_ids: list[int], sampling, namespace: str, stops: list[str],
-                 started_at: float) -> None:
+                 started_at: float, on_finish=None) -> None:
         self.async_engine = async_engine
         self.metrics = metrics
         self.request_id = request_id
@@ -37,6 +37,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.num_generated_tokens = 0
+        self.on_finish = on_finish  # called with this Generation once it finished normally
 
     def usage(self) -> dict:
         return usage(len(self.prompt_token_ids), self.num_generated_tokens, self.num_cached_tokens)
@@ -76,6 +77,8 @@ class Generation:
                 if not engine_done:
                     await self.async_engine.abort(self.request_id)
             self._count_finished()
+            if self.finish_reason is not None and self.on_finish is not None:
+                self.on_finish(self)
 
     def _count_finished(self) -> None:
         self.metrics.observe_finished(self.finish_reason or "abort", len(self.prompt_token_ids),

@@ -84,6 +84,23 @@ def read_trace(path: str | Path, block_tokens: int = BLOCK_TOKENS) -> list[Reque
     return requests
 
 
+def trace_hash_ids(token_ids: list[int], namespace: str = "", block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """Mooncake-style prefix block ids of a prompt: one per (possibly partial, last) block of
+    `block_tokens` tokens, each a 63-bit xxh3 chained over the previous id and the block's tokens, so
+    two prompts share an id exactly when they share that block and everything before it."""
+    import struct
+
+    import xxhash
+
+    ids: list[int] = []
+    parent = xxhash.xxh3_64_intdigest(namespace.encode())
+    for start in range(0, len(token_ids), block_tokens):
+        block = token_ids[start:start + block_tokens]
+        parent = xxhash.xxh3_64_intdigest(struct.pack(f"<Q{len(block)}I", parent, *block)) & (2**63 - 1)
+        ids.append(parent)
+    return ids
+
+
 class TraceRecorder:
     """Appends requests to a Mooncake-format JSONL trace (thread-safe; the server records live traffic).
 
