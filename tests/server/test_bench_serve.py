@@ -21,3 +21,34 @@ def test_tiny_bench_all_systems_agree():
     assert "dram" in by_name["kvtier"]["cached_tokens_by_tier"]      # evicted prefixes came back from DRAM
     assert "dram" not in by_name["device-prefix"]["cached_tokens_by_tier"]
     assert render(rows).count("\n") == 4
+
+
+def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):
+    from kvtier.bench.serve import trace_requests
+    from kvtier.sim.trace import read_trace
+
+    raw = read_trace(mooncake_trace_path)[:60]
+    reqs = trace_requests(mooncake_trace_path, num_requests=60, block_tokens=16, max_tokens=8, vocab_size=256)
+    assert len(reqs) == 60 and [r.arrival_s for r in reqs] == [t.timestamp_ms / 1000 for t in raw]
+    for a, ra in zip(reqs, raw):
+        assert len(a.token_ids) == sum(max(1, round(ra.block_tokens(i) * 16 / 512)) for i in range(len(ra.hash_ids)))
+        assert 1 <= a.max_tokens <= 8
+    # two requests share a token prefix exactly as long as their shared leading block ids
+    pairs = [(i, j) for i in range(60) for j in range(i) if raw[i].hash_ids[0] == raw[j].hash_ids[0]]
+    assert pairs
+    for i, j in pairs:
+        shared = next((k for k, (x, y) in enumerate(zip(raw[i].hash_ids, raw[j].hash_ids)) if x != y),
+                      min(len(raw[i].hash_ids), len(raw[j].hash_ids)))
+        full = min(shared, len(raw[i].hash_ids) - 1, len(raw[j].hash_ids) - 1)
+        assert reqs[i].token_ids[:16 * full] == reqs[j].token_ids[:16 * full]
+
+
+def test_tiny_trace_replay_all_systems_agree():
+    from kvtier.bench.serve import run_trace
+
+    rows = run_trace(model="tiny", num_requests=12, trace_block_tokens=4, max_tokens=4, time_scale=0.001,
+                     device_kv_budget="256KiB", block_tokens=8)  # 64 blocks: ~1.5 requests
+    by_name = {r["system"]: r for r in rows}
+    for r in rows:
+        assert r["requests"] == 12 and r["failed"] == 0
+    assert by_name["kvtier"]["same_text_as_generate"] and by_name["device-prefix"]["same_text_as_generate"]

@@ -20,6 +20,7 @@ tokens, and whether every reply equals the `generate` reply (greedy must agree).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import tempfile
 import threading
@@ -106,10 +107,12 @@ def _prompt(tokenizer, passage: str, user_messages: list[str], replies: list[str
 
 # -- the engine systems -----------------------------------------------------------------------------
 
-def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, block_tokens: int,
-               tier_specs: list[str], preemption: str) -> SystemResult:
+@contextlib.contextmanager
+def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, tier_specs: list[str],
+                   preemption: str):
+    """A started AsyncEngine (+ its tier stack) and the SystemResult it fills; stats on exit."""
     from kvtier.codecs import get_codec
-    from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+    from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
     from kvtier.manager import build_manager
 
     layout = loaded.kv_layout(block_tokens)
@@ -119,37 +122,9 @@ def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, bloc
     async_engine = AsyncEngine(engine)
     async_engine.start()
     result = SystemResult(name, 0.0)
-    sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
-
-    async def user(u: int, passage: str, user_messages: list[str]) -> None:
-        replies: list[str] = []
-        for turn in range(len(user_messages)):
-            ids = _prompt(loaded.tokenizer, passage, user_messages[:turn + 1], replies)
-            result.num_prompt_tokens += len(ids)
-            start = last = time.perf_counter()
-            ttft, itl, tokens = None, [], []
-            try:
-                async for out in async_engine.generate(f"u{u}t{turn}", ids, sampling):
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - start
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    tokens += out.new_token_ids
-            except Exception as exc:  # noqa: BLE001 — counted, the others go on
-                result.num_failed += 1
-                result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
-                return
-            result.turns[(u, turn)] = Turn(ttft, itl, tokens)
-            replies.append(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
-
-    async def main() -> None:
-        await asyncio.gather(*(user(u, p, m) for u, (p, m) in enumerate(convs)))
-
     start = time.perf_counter()
     try:
-        asyncio.run(main())
+        yield async_engine, result
     finally:
         result.wall_s = time.perf_counter() - start
         async_engine.shutdown()
@@ -158,6 +133,98 @@ def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, bloc
         result.num_preemptions = stats.num_preemptions
         if manager is not None:
             manager.close()
+
+
+async def _request(async_engine, result: SystemResult, key, ids: list[int], sampling) -> list[int] | None:
+    """One request through the engine: its TTFT and inter-token gaps into `result`; None on failure."""
+    result.num_prompt_tokens += len(ids)
+    start = last = time.perf_counter()
+    ttft, itl, tokens = None, [], []
+    try:
+        async for out in async_engine.generate(f"r{key}", ids, sampling):
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                itl.append(now - last)
+            last = now
+            tokens += out.new_token_ids
+    except Exception as exc:  # noqa: BLE001 — counted, the others go on
+        result.num_failed += 1
+        result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+        return None
+    result.turns[key] = Turn(ttft, itl, tokens)
+    return tokens
+
+
+def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, block_tokens: int,
+               tier_specs: list[str], preemption: str) -> SystemResult:
+    from kvtier.engine import SamplingParams
+
+    sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
+    with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
+                        tier_specs=tier_specs, preemption=preemption) as (async_engine, result):
+        async def user(u: int, passage: str, user_messages: list[str]) -> None:
+            replies: list[str] = []
+            for turn in range(len(user_messages)):
+                ids = _prompt(loaded.tokenizer, passage, user_messages[:turn + 1], replies)
+                tokens = await _request(async_engine, result, (u, turn), ids, sampling)
+                if tokens is None:
+                    return
+                replies.append(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
+
+        async def main() -> None:
+            await asyncio.gather(*(user(u, p, m) for u, (p, m) in enumerate(convs)))
+
+        asyncio.run(main())
+    return result
+
+
+# -- the Mooncake trace, scaled to this model ---------------------------------------------------------
+
+@dataclass(slots=True)
+class TraceRequest:
+    arrival_s: float
+    token_ids: list[int]
+    max_tokens: int
+
+
+def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_tokens: int = 8,
+                   time_scale: float = 1.0, vocab_size: int = 49152, max_context: int = 8192) -> list[TraceRequest]:
+    """The first `num_requests` of a Mooncake trace, scaled to a small model: each 512-token block
+    (`hash_ids`) becomes `block_tokens` tokens — fixed per block id, so requests that share block ids
+    share exactly those token prefixes, as in the trace — the partial last block in proportion,
+    outputs capped at `max_tokens`, arrivals at `timestamp × time_scale`, prompts cut to the context."""
+    from kvtier.sim.trace import BLOCK_TOKENS, read_trace
+
+    out = []
+    for r in read_trace(path)[:num_requests]:
+        ids: list[int] = []
+        for i, block_id in enumerate(r.hash_ids):
+            n = max(1, round(r.block_tokens(i) * block_tokens / BLOCK_TOKENS))
+            g = torch.Generator().manual_seed(block_id)
+            ids += torch.randint(0, vocab_size, (block_tokens,), generator=g)[:n].tolist()
+        ids = ids[:max_context - max_tokens - 1] or [0]
+        out.append(TraceRequest(r.timestamp_ms / 1000 * time_scale, ids, max(1, min(r.output_length, max_tokens))))
+    return out
+
+
+def run_engine_trace(loaded, reqs: list[TraceRequest], *, name: str, budget_bytes: int, block_tokens: int,
+                     tier_specs: list[str], preemption: str) -> SystemResult:
+    from kvtier.engine import SamplingParams
+
+    with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
+                        tier_specs=tier_specs, preemption=preemption) as (async_engine, result):
+        async def one(i: int, r: TraceRequest, t0: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
+            await _request(async_engine, result, (i, 0), r.token_ids,
+                           SamplingParams(max_tokens=r.max_tokens, ignore_eos=True))
+
+        async def main() -> None:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i, r, t0) for i, r in enumerate(reqs)))
+
+        asyncio.run(main())
     return result
 
 
@@ -210,6 +277,55 @@ def run_generate(loaded, convs, w: Workload) -> SystemResult:
     return result
 
 
+def run_generate_trace(loaded, reqs: list[TraceRequest]) -> SystemResult:
+    """Plain `generate`, one request at a time in arrival order (TTFT counts the wait from arrival)."""
+    result = SystemResult("generate", 0.0)
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        time.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
+        arrived = t0 + r.arrival_s
+        result.num_prompt_tokens += len(r.token_ids)
+        streamer = _Streamer()
+        with torch.inference_mode():
+            out = loaded.model.generate(torch.tensor([r.token_ids]), max_new_tokens=r.max_tokens,
+                                        min_new_tokens=r.max_tokens, do_sample=False, streamer=streamer)
+        times = streamer.times
+        result.turns[(i, 0)] = Turn(times[0] - arrived, [b - a for a, b in zip(times, times[1:])],
+                                    out[0, len(r.token_ids):].tolist())
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_block_tokens: int = 16,
+              max_tokens: int = 8, time_scale: float = 1.0, device_kv_budget: str = "48MiB",
+              block_tokens: int = 16, dram: str = "1GiB",
+              systems: tuple[str, ...] = ("generate", "kvtier", "device-prefix")) -> list[dict]:
+    """The Mooncake sample trace, scaled (see `trace_requests`), through the same three systems."""
+    from kvtier import models
+    from kvtier.data import MOONCAKE_TRACE, shared_data_file
+    from kvtier.units import parse_bytes
+
+    loaded = models.load(model)
+    reqs = trace_requests(shared_data_file(MOONCAKE_TRACE), num_requests=num_requests,
+                          block_tokens=trace_block_tokens, max_tokens=max_tokens, time_scale=time_scale,
+                          vocab_size=loaded.config.vocab_size,
+                          max_context=getattr(loaded.config, "max_position_embeddings", 8192))
+    budget = parse_bytes(device_kv_budget)
+    results: dict[str, SystemResult] = {}
+    for name in systems:
+        if name == "generate":
+            results[name] = run_generate_trace(loaded, reqs)
+        elif name in ("kvtier", "device-prefix"):
+            results[name] = run_engine_trace(
+                loaded, reqs, name=name, budget_bytes=budget, block_tokens=block_tokens,
+                tier_specs=[f"dram:{dram}"] if name == "kvtier" else [],
+                preemption="swap" if name == "kvtier" else "recompute")
+        else:
+            raise ValueError(f"unknown system {name!r}")
+    reference = results.get("generate")
+    return [r.row(reference if r is not reference else None) for r in results.values()]
+
+
 def run(workload: Workload | None = None, *, model: str = "smollm2", device_kv_budget: str = "48MiB",
         block_tokens: int = 64, dram: str = "1GiB", ssd: bool = False,
         systems: tuple[str, ...] = ("generate", "kvtier", "device-prefix")) -> list[dict]:
@@ -254,13 +370,29 @@ def add_command(bench) -> None:
               block_tokens: int = typer.Option(64, min=1), dram: str = typer.Option("1GiB"),
               ssd: bool = typer.Option(False, help="an SSD tier under DRAM (a temporary directory)"),
               systems: str = typer.Option("generate,kvtier,device-prefix"),
-              model: str = typer.Option("smollm2"), json_out: bool = typer.Option(False, "--json")) -> None:
-        """Multi-turn chat: kvtier with tiers vs device-only prefix cache + recompute vs plain generate."""
+              model: str = typer.Option("smollm2"), json_out: bool = typer.Option(False, "--json"),
+              workload: str = typer.Option("chat", help="chat (multi-turn tinyshakespeare) or mooncake "
+                                                        "(the shared Mooncake trace, scaled to the model)"),
+              trace_requests_: int = typer.Option(32, "--trace-requests", min=1, help="mooncake: first N requests"),
+              trace_block_tokens: int = typer.Option(16, min=1, help="mooncake: tokens per 512-token trace block"),
+              time_scale: float = typer.Option(1.0, help="mooncake: arrival time = trace timestamp x this")) -> None:
+        """Multi-turn chat (or the Mooncake trace): kvtier with tiers vs device-only prefix cache +
+        recompute vs plain generate."""
         import json
 
-        rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), model=model,
-                   device_kv_budget=device_kv_budget, block_tokens=block_tokens, dram=dram, ssd=ssd,
-                   systems=tuple(s.strip() for s in systems.split(",")))
+        from kvtier.errors import UserError
+
+        names = tuple(s.strip() for s in systems.split(","))
+        if workload == "chat":
+            rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), model=model,
+                       device_kv_budget=device_kv_budget, block_tokens=block_tokens, dram=dram, ssd=ssd,
+                       systems=names)
+        elif workload == "mooncake":
+            rows = run_trace(model=model, num_requests=trace_requests_, trace_block_tokens=trace_block_tokens,
+                             max_tokens=max_tokens, time_scale=time_scale, device_kv_budget=device_kv_budget,
+                             block_tokens=block_tokens, dram=dram, systems=names)
+        else:
+            raise UserError(f"unknown workload {workload!r}: use chat or mooncake")
         if json_out:
             print(json.dumps(rows))
             return
