@@ -71,8 +71,9 @@ class MooncakePool(Service):
         self.metadata_url = f"http://127.0.0.1:{http}/metadata"
         master = [_binary("mooncake_master"), "--enable_http_metadata_server=true",
                   "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-                  f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics}",
-                  "--default_kv_lease_ttl=100"]
+                  f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics}"]
+        # (the default kv lease, 5 s, must outlast a whole batched get: a 100 ms lease expires in the
+        # middle of moving a 4k-token prefix and every get fails with LEASE_EXPIRED)
         memory = [_binary("mooncake_client"), "--host=127.0.0.1", f"--master_server_address={self.master_addr}",
                   f"--metadata_server={self.metadata_url}", f"--global_segment_size={segment}", f"--port={client}"]
         super().__init__([(master, rpc), (memory, client)], log_dir)
