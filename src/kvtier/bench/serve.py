@@ -27,7 +27,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
 
 SYSTEM_PROMPT = "You are a helpful assistant who answers questions about the play you are given."
 
@@ -195,6 +194,8 @@ def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_
     (`hash_ids`) becomes `block_tokens` tokens — fixed per block id, so requests that share block ids
     share exactly those token prefixes, as in the trace — the partial last block in proportion,
     outputs capped at `max_tokens`, arrivals at `timestamp × time_scale`, prompts cut to the context."""
+    import torch
+
     from kvtier.sim.trace import BLOCK_TOKENS, read_trace
 
     out = []
@@ -249,6 +250,8 @@ class _Streamer:
 
 def run_generate(loaded, convs, w: Workload) -> SystemResult:
     """One worker serves the users' turns FIFO with `model.generate`; users still submit concurrently."""
+    import torch
+
     result = SystemResult("generate", 0.0)
     lock = threading.Lock()
 
@@ -279,6 +282,8 @@ def run_generate(loaded, convs, w: Workload) -> SystemResult:
 
 def run_generate_trace(loaded, reqs: list[TraceRequest]) -> SystemResult:
     """Plain `generate`, one request at a time in arrival order (TTFT counts the wait from arrival)."""
+    import torch
+
     result = SystemResult("generate", 0.0)
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):

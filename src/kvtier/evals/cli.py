@@ -32,7 +32,8 @@ class ByteTokenizer:
 def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_command(
-        methods: str = typer.Option(",".join(_default_methods()), help="comma-separated methods"),
+        methods: str = typer.Option(None, help="comma-separated methods [every codec, eviction policy and "
+                                               "transformers peer; raw is always the reference]"),
         keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept"),
         context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
                                                  "('' to skip perplexity)"),
@@ -40,7 +41,7 @@ def register(app: typer.Typer) -> None:
         chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk"),
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
-        snapkv_window: int = typer.Option(_default_snapkv_window(), help="SnapKV observation window (tokens at the end of the prompt)"),
+        snapkv_window: int = typer.Option(None, help="SnapKV observation window (tokens at the end of the prompt) [32]"),
         model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
         text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
@@ -51,6 +52,8 @@ def register(app: typer.Typer) -> None:
 
         from kvtier.evals import report, runner
 
+        methods = methods if methods is not None else ",".join(_default_methods())
+        snapkv_window = snapkv_window if snapkv_window is not None else _default_snapkv_window()
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
                          snapkv_window)
         if text is None:
