@@ -1,4 +1,4 @@
-"""Killing the pool backend (redis-server) mid-run loses no request: the engine keeps serving from
+"""Killing the pool backend (redis-server, or the Mooncake master + memory server) mid-run loses no request: the engine keeps serving from
 the device and DRAM, and every text equals its run without any tiers."""
 
 import asyncio
@@ -11,14 +11,15 @@ from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from kvtier.manager import build_manager
 from kvtier.server.app import create_app
 from kvtier.server.tokenizer import ByteTokenizer
-from kvtier.services import RedisServer
+from kvtier.services import MooncakePool, RedisServer
 from server_support import running
 
 pytestmark = pytest.mark.services
 BLOCK, NUM_BLOCKS, MAX_TOKENS = 8, 40, 16
 
 
-def test_redis_killed_mid_run(tiny_model, shakespeare_text, tmp_path):
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_pool_killed_mid_run(kind, tiny_model, shakespeare_text, tmp_path):
     prompts = [shakespeare_text[100 * i:100 * i + 60 + 5 * i] for i in range(16)]
     tokenizer = ByteTokenizer()
     layout = tiny_model.kv_layout(BLOCK)
@@ -27,7 +28,7 @@ def test_redis_killed_mid_run(tiny_model, shakespeare_text, tmp_path):
     plain = LLMEngine(tiny_model, config)
     expected = [tokenizer.decode(ids) for ids in
                 plain.generate([tokenizer.encode(p) for p in prompts], SamplingParams(max_tokens=MAX_TOKENS))]
-    redis = RedisServer(tmp_path)
+    redis = RedisServer(tmp_path) if kind == "redis" else MooncakePool(tmp_path, segment="64MB")
     redis.start()
     manager = build_manager(["dram:32KiB", redis.spec], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
     app = create_app(AsyncEngine(LLMEngine(tiny_model, config, manager)), tokenizer, "tiny", manager=manager,
