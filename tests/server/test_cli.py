@@ -1,5 +1,6 @@
 """`kvtier serve`: settings from a TOML/YAML file and flags, bad settings, and the real process."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -54,6 +55,17 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     assert "unknown serve setting" in capsys.readouterr().err
 
 
+def _became_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> bool:
+    """Poll /health (bounded: imports + model load); a server process that exits fails at once."""
+    for _ in range(attempts):
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def test_serve_process_answers(tmp_path):
     port = free_port()
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
@@ -63,14 +75,7 @@ def test_serve_process_answers(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):  # bounded wait for startup (imports + model)
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.05)
+        assert _became_healthy(url, proc), "kvtier serve never answered /health"
         r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "Once more unto the breach, dear friends",
                                                       "max_tokens": 5, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

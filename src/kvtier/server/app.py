@@ -176,12 +176,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
                                  param="prompt")
         max_tokens = req.max_tokens if req.max_tokens is not None else _DEFAULT_COMPLETION_TOKENS
         gen = _generation(state, "cmpl", req, prompt_ids, _sampling(state, req, len(prompt_ids), max_tokens), started_at)
-        if req.stream:
-            return _sse(_completion_events(state, gen, req))
-        text = await _collect(state, gen)
-        if isinstance(text, Response):
-            return text
-        return protocol.completion(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+        return await _respond(state, gen, req, _completion_events, protocol.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -195,12 +190,17 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
         gen = _generation(state, "chatcmpl", req, prompt_ids,
                           _sampling(state, req, len(prompt_ids), req.token_limit()), started_at)
-        if req.stream:
-            return _sse(_chat_events(state, gen, req))
-        text = await _collect(state, gen)
-        if isinstance(text, Response):
-            return text
-        return protocol.chat_completion(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+        return await _respond(state, gen, req, _chat_events, protocol.chat_completion)
+
+
+async def _respond(state: ServerState, gen: Generation, req, events, body):
+    """SSE of `events(state, gen, req)` when streaming, else the whole text in `body(...)`."""
+    if req.stream:
+        return _sse(events(state, gen, req))
+    text = await _collect(state, gen)
+    if isinstance(text, Response):
+        return text
+    return body(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
 
 
 def _as_ids(ids) -> list[int]:

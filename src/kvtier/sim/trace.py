@@ -12,10 +12,13 @@ fixes the block's length: a tier keeps the size a block was stored with.
 from __future__ import annotations
 
 import json
+import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+import xxhash
 
 from kvtier.errors import UserError
 
@@ -88,10 +91,6 @@ def trace_hash_ids(token_ids: list[int], namespace: str = "", block_tokens: int 
     """Mooncake-style prefix block ids of a prompt: one per (possibly partial, last) block of
     `block_tokens` tokens, each a 63-bit xxh3 chained over the previous id and the block's tokens, so
     two prompts share an id exactly when they share that block and everything before it."""
-    import struct
-
-    import xxhash
-
     ids: list[int] = []
     parent = xxhash.xxh3_64_intdigest(namespace.encode())
     for start in range(0, len(token_ids), block_tokens):

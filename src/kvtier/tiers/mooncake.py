@@ -27,6 +27,7 @@ from kvtier.units import parse_bytes
 RPC_FAIL = -900          # the master is unreachable
 DEFAULT_BUFFER = 256 << 20
 PROBE_TIMEOUT_S = 1.0
+KEY_PROBE = "kvtier:probe"  # looked up after setup: a master that answers is a live pool
 
 
 def _reachable(host: str, port: int) -> bool:
@@ -113,9 +114,6 @@ class MooncakeBackend:
         if self._store is not None:
             store, self._store = self._store, None
             store.close()
-
-
-KEY_PROBE = "kvtier:probe"
 
 
 def parse_spec(spec: str) -> MooncakeBackend:
