@@ -20,7 +20,7 @@ DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_NAMESPACE = ""
 KEY_BYTES = 16
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1, "int8": 1}
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1, "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)

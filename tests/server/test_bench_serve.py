@@ -1,6 +1,8 @@
 """`kvtier bench serve` on the tiny model: every system answers every turn with the same text."""
 
-from kvtier.bench.serve import Workload, conversations, render, run
+import pytest
+
+from kvtier.bench.serve import Workload, conversations, engine_system, render, run
 
 
 def test_conversations_are_deterministic_and_distinct(shakespeare_text):
@@ -21,6 +23,22 @@ def test_tiny_bench_all_systems_agree():
     assert "dram" in by_name["kvtier"]["cached_tokens_by_tier"]      # evicted prefixes came back from DRAM
     assert "dram" not in by_name["device-prefix"]["cached_tokens_by_tier"]
     assert render(rows).count("\n") == 4
+
+
+def test_quantized_resident_system_serves_every_turn():
+    w = Workload(num_users=2, num_turns=2, context_chars=200, turn_chars=40, max_tokens=6)
+    rows = run(w, model="tiny", device_kv_budget="128KiB", block_tokens=16, systems=("generate", "kvtier-int8"))
+    r = rows[1]
+    assert r["system"] == "kvtier-int8" and r["requests"] == 4 and r["failed"] == 0
+    assert r["same_text_as_generate"]  # int8 per token keeps every greedy token on the tiny model
+
+
+def test_system_names():
+    assert engine_system("kvtier") == (True, "swap", "raw")
+    assert engine_system("kvtier-int4") == (True, "swap", "int4")
+    assert engine_system("device-prefix") == (False, "recompute", "raw")
+    with pytest.raises(ValueError, match="kvtier-int3"):
+        engine_system("kvtier-int3")
 
 
 def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):

@@ -29,8 +29,8 @@ def test_file_then_flags(tmp_path):
     config = ServeConfig.load(toml, port=9002, preemption=None)
     assert (config.model, config.port, config.tiers, config.device_kv_budget) == ("tiny", 9002, ["dram:64MiB"], "8MiB")
     yaml = tmp_path / "serve.yaml"
-    yaml.write_text("model: tiny\nmax_num_seqs: 4\n")
-    assert ServeConfig.load(yaml).max_num_seqs == 4
+    yaml.write_text("model: tiny\nmax_num_seqs: 4\nkv-codec: int4\n")
+    assert (ServeConfig.load(yaml).max_num_seqs, ServeConfig.load(yaml).kv_codec) == (4, "int4")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -38,6 +38,7 @@ def test_file_then_flags(tmp_path):
     ("preemption = 'drop'", "preemption"),
     ("device_kv_budget = 'lots'", "lots"),
     ("port = [", "cannot parse"),
+    ("kv_codec = 'int3'", "kv_codec"),
 ])
 def test_bad_settings_are_user_errors(tmp_path, text, message):
     path = tmp_path / "bad.toml"

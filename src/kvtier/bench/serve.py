@@ -106,9 +106,24 @@ def _prompt(tokenizer, passage: str, user_messages: list[str], replies: list[str
 
 # -- the engine systems -----------------------------------------------------------------------------
 
+def engine_system(name: str) -> tuple[bool, str, str]:
+    """(with tiers, preemption, resident KV codec) of a system name: "kvtier" (tiers, swap, raw),
+    "kvtier-<codec>" (the same with fp8/int8/int4/int2 resident on the device), "device-prefix"
+    (device prefix cache only, recompute preemption: the vLLM-style baseline)."""
+    from kvtier.engine.arena import ARENA_CODECS
+
+    if name == "device-prefix":
+        return False, "recompute", "raw"
+    base, _, codec = name.partition("-")
+    if base == "kvtier" and (codec or "raw") in ARENA_CODECS:
+        return True, "swap", codec or "raw"
+    raise ValueError(f"unknown system {name!r}: use generate, kvtier, kvtier-<{'|'.join(ARENA_CODECS[1:])}>, "
+                     "device-prefix")
+
+
 @contextlib.contextmanager
 def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, tier_specs: list[str],
-                   preemption: str):
+                   preemption: str, kv_codec: str = "raw"):
     """A started AsyncEngine (+ its tier stack) and the SystemResult it fills; stats on exit."""
     from kvtier.codecs import get_codec
     from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
@@ -117,7 +132,8 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
     layout = loaded.kv_layout(block_tokens)
     manager = build_manager(tier_specs, slot_bytes=get_codec("raw").max_encoded_bytes(layout)) if tier_specs else None
     engine = LLMEngine(loaded, EngineConfig(device_kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
-                                            preemption=preemption, max_prefill_tokens=512), manager)
+                                            preemption=preemption, max_prefill_tokens=512,
+                                            kv_codec=kv_codec), manager)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     result = SystemResult(name, 0.0)
@@ -157,12 +173,12 @@ async def _request(async_engine, result: SystemResult, key, ids: list[int], samp
 
 
 def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, block_tokens: int,
-               tier_specs: list[str], preemption: str) -> SystemResult:
+               tier_specs: list[str], preemption: str, kv_codec: str = "raw") -> SystemResult:
     from kvtier.engine import SamplingParams
 
     sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
     with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
-                        tier_specs=tier_specs, preemption=preemption) as (async_engine, result):
+                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec) as (async_engine, result):
         async def user(u: int, passage: str, user_messages: list[str]) -> None:
             replies: list[str] = []
             for turn in range(len(user_messages)):
@@ -211,11 +227,11 @@ def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_
 
 
 def run_engine_trace(loaded, reqs: list[TraceRequest], *, name: str, budget_bytes: int, block_tokens: int,
-                     tier_specs: list[str], preemption: str) -> SystemResult:
+                     tier_specs: list[str], preemption: str, kv_codec: str = "raw") -> SystemResult:
     from kvtier.engine import SamplingParams
 
     with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
-                        tier_specs=tier_specs, preemption=preemption) as (async_engine, result):
+                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec) as (async_engine, result):
         async def one(i: int, r: TraceRequest, t0: float) -> None:
             await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
             await _request(async_engine, result, (i, 0), r.token_ids,
@@ -320,13 +336,11 @@ def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_block_tok
     for name in systems:
         if name == "generate":
             results[name] = run_generate_trace(loaded, reqs)
-        elif name in ("kvtier", "device-prefix"):
+        else:
+            tiered, preemption, kv_codec = engine_system(name)
             results[name] = run_engine_trace(
                 loaded, reqs, name=name, budget_bytes=budget, block_tokens=block_tokens,
-                tier_specs=[f"dram:{dram}"] if name == "kvtier" else [],
-                preemption="swap" if name == "kvtier" else "recompute")
-        else:
-            raise ValueError(f"unknown system {name!r}")
+                tier_specs=[f"dram:{dram}"] if tiered else [], preemption=preemption, kv_codec=kv_codec)
     reference = results.get("generate")
     return [r.row(reference if r is not reference else None) for r in results.values()]
 
@@ -352,14 +366,11 @@ def run(workload: Workload | None = None, *, model: str = "smollm2", device_kv_b
         for name in systems:
             if name == "generate":
                 results[name] = run_generate(loaded, convs, w)
-            elif name == "kvtier":
-                results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
-                                           block_tokens=block_tokens, tier_specs=tiers, preemption="swap")
-            elif name == "device-prefix":
-                results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
-                                           block_tokens=block_tokens, tier_specs=[], preemption="recompute")
             else:
-                raise ValueError(f"unknown system {name!r}")
+                tiered, preemption, kv_codec = engine_system(name)
+                results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
+                                           block_tokens=block_tokens, tier_specs=tiers if tiered else [],
+                                           preemption=preemption, kv_codec=kv_codec)
     reference = results.get("generate")
     return [r.row(reference if r is not reference else None) for r in results.values()]
 
@@ -374,7 +385,9 @@ def add_command(bench) -> None:
               max_tokens: int = typer.Option(24, min=1), device_kv_budget: str = typer.Option("48MiB"),
               block_tokens: int = typer.Option(64, min=1), dram: str = typer.Option("1GiB"),
               ssd: bool = typer.Option(False, help="an SSD tier under DRAM (a temporary directory)"),
-              systems: str = typer.Option("generate,kvtier,device-prefix"),
+              systems: str = typer.Option("generate,kvtier,device-prefix",
+                                          help="generate, kvtier, kvtier-fp8/int8/int4/int2 (quantized "
+                                               "resident KV), device-prefix"),
               model: str = typer.Option("smollm2"), json_out: bool = typer.Option(False, "--json"),
               workload: str = typer.Option("chat", help="chat (multi-turn tinyshakespeare) or mooncake "
                                                         "(the shared Mooncake trace, scaled to the model)"),
@@ -388,6 +401,12 @@ def add_command(bench) -> None:
         from kvtier.errors import UserError
 
         names = tuple(s.strip() for s in systems.split(","))
+        for name in names:  # refuse a typo before any system has run
+            if name != "generate":
+                try:
+                    engine_system(name)
+                except ValueError as exc:
+                    raise UserError(str(exc)) from None
         if workload == "chat":
             rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), model=model,
                        device_kv_budget=device_kv_budget, block_tokens=block_tokens, dram=dram, ssd=ssd,

@@ -2,8 +2,8 @@
 
 The engine runs one flat batch per step: the new tokens of every scheduled sequence concatenated
 into `[1, N]`. Each attention layer calls `paged_attention`, which writes the new K/V into their
-slots of the arena and runs SDPA per sequence over that sequence's gathered blocks (a causal mask
-offset by the tokens already computed). The model module tree used here is a copy that shares the
+slots of the arena (`kvtier.engine.arena`: raw or quantized) and runs SDPA per sequence over that
+sequence's gathered context at full precision (a causal mask offset by the tokens already computed). The model module tree used here is a copy that shares the
 weights (`paged_model`), so the caller's model keeps its own attention implementation.
 """
 
@@ -24,14 +24,13 @@ ATTN_IMPLEMENTATION = "kvtier_paged"
 class SeqSlice:
     q_start: int               # rows of this sequence in the flat batch
     q_end: int
-    kv_index: torch.Tensor     # [H * context] rows of a layer's cache viewed as [num_blocks * H * T, D]
+    index: torch.Tensor        # the arena's `context_index` of this sequence's block table
     context_tokens: int        # tokens attended to: already computed + this step's
 
 
 @dataclass(slots=True)
 class PagedBatch:
-    k_cache: torch.Tensor      # [L, num_blocks, H, T, D]
-    v_cache: torch.Tensor
+    arena: object              # a `kvtier.engine.arena` arena
     slot_block_ids: torch.Tensor  # [N] block of each new token
     slot_offsets: torch.Tensor    # [N] offset inside its block
     seqs: list[SeqSlice]
@@ -42,37 +41,25 @@ def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                     **kwargs):
     # query: [1, Hq, N, D]; key/value: [1, H, N, D]
     assert kvtier_batch is not None, "paged_attention runs only inside the kvtier engine"
-    batch = kvtier_batch
-    k_cache, v_cache = batch.k_cache[module.layer_idx], batch.v_cache[module.layer_idx]  # [B, H, T, D]
-    k_cache[batch.slot_block_ids, :, batch.slot_offsets] = key[0].transpose(0, 1)  # [N, H, D]
-    v_cache[batch.slot_block_ids, :, batch.slot_offsets] = value[0].transpose(0, 1)
-    num_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    k_rows, v_rows = k_cache.view(-1, head_dim), v_cache.view(-1, head_dim)
+    batch, layer = kvtier_batch, module.layer_idx
+    batch.arena.write(layer, batch.slot_block_ids, batch.slot_offsets, key[0].transpose(0, 1),  # [N, H, D]
+                      value[0].transpose(0, 1))
+    num_heads = key.shape[1]
     out = torch.empty_like(query)
     for s in batch.seqs:
-        # one gather straight into [H, context, D] (no block-then-transpose double copy)
-        k = k_rows.index_select(0, s.kv_index).view(num_heads, s.context_tokens, head_dim)
-        v = v_rows.index_select(0, s.kv_index).view(num_heads, s.context_tokens, head_dim)
-        q = query[:, :, s.q_start:s.q_end]
-        num_q = s.q_end - s.q_start
-        mask = None
-        if num_q > 1:  # query i sits at position context - num_q + i
-            q_pos = torch.arange(s.context_tokens - num_q, s.context_tokens, device=q.device)
-            mask = torch.arange(s.context_tokens, device=q.device)[None, :] <= q_pos[:, None]
-        out[:, :, s.q_start:s.q_end] = F.scaled_dot_product_attention(
-            q, k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != num_heads)
+        for lo, hi, k, v in batch.arena.gather(layer, s):  # k, v: [H, context of the group's last query, D]
+            q = query[:, :, s.q_start + lo:s.q_start + hi]
+            num_q, context = hi - lo, k.shape[1]
+            mask = None
+            if num_q > 1:  # query i sits at position context - num_q + i
+                q_pos = torch.arange(context - num_q, context, device=q.device)
+                mask = torch.arange(context, device=q.device)[None, :] <= q_pos[:, None]
+            out[:, :, s.q_start + lo:s.q_start + hi] = F.scaled_dot_product_attention(
+                q, k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != num_heads)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-
-
-def kv_index(block_table: torch.Tensor, context_tokens: int, num_heads: int, block_tokens: int) -> torch.Tensor:
-    """Row (h, p) of the flat `[num_blocks * H * T, D]` view for every head h and position p < context."""
-    pos = torch.arange(context_tokens, device=block_table.device)
-    blocks = block_table[pos // block_tokens]                                  # [context]
-    heads = torch.arange(num_heads, device=block_table.device)[:, None]
-    return ((blocks[None, :] * num_heads + heads) * block_tokens + pos % block_tokens).reshape(-1)
 
 
 def paged_model(model: torch.nn.Module) -> torch.nn.Module:

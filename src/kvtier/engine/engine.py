@@ -13,6 +13,7 @@ import torch
 
 from kvtier.blocks import KeySpace
 from kvtier.codecs import get_codec
+from kvtier.engine.arena import ARENA_CODECS, make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
@@ -31,11 +32,14 @@ class EngineConfig:
     prefix_caching: bool = True
     host_swap_bytes: int = 4096 * _MiB
     codec: str = "raw"              # how evicted blocks are written to the tiers
+    kv_codec: str = "raw"           # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
         if self.preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
+        if self.kv_codec not in ARENA_CODECS:
+            raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
@@ -70,23 +74,24 @@ class LLMEngine:
         self.config = config
         self.manager = manager
         self.layout = loaded.kv_layout(config.block_tokens)
-        self.num_blocks = config.device_kv_budget_bytes // self.layout.block_bytes
+        device = next(loaded.model.parameters()).device
+        self.arena = make_arena(self.layout, config.device_kv_budget_bytes, config.kv_codec, device=device,
+                                max_open_blocks=config.max_num_seqs)
+        self.num_blocks = self.arena.num_blocks
         self.codec = get_codec(config.codec)
         model_config = loaded.model.config.get_text_config(decoder=True)
         _require_full_attention(model_config)
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
-        device = next(loaded.model.parameters()).device
         self.block_manager = BlockManager(self.num_blocks)
-        self.runner = ModelRunner(loaded.model, self.layout, self.num_blocks, device)
+        self.runner = ModelRunner(loaded.model, self.layout, self.arena)
         self.scheduler = Scheduler(
             self.block_manager, KeySpace(loaded.fingerprint, self.layout, self.codec.name),
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.layout.block_bytes,
+            preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.arena.block_bytes,
             max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
             prefix_caching=config.prefix_caching, fetch_prefix=self._fetch_prefix if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
-        self._host_kv: dict[str, torch.Tensor] = {}  # swapped-out KV, [L, 2, n, H, T, D] on the host
-        self._pin = torch.cuda.is_available() and device.type == "cuda"
+        self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.num_blocks_written_to_tiers = 0
 
     # -- requests --------------------------------------------------------------------------------
@@ -137,13 +142,14 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
+        self.arena.prune(lambda block_id: self.block_manager.ref_counts[block_id] > 0)
         return outputs
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # every read of a block comes before any write to one (a block freed by a swap-out or evicted
         # may be reallocated in the same step)
         for request_id, block_ids in out.swap_out:
-            self._host_kv[request_id] = self.runner.read_blocks(block_ids).to("cpu")
+            self._host_kv[request_id] = self.runner.read_blocks(block_ids)
         if out.evicted and self.manager is not None:
             items = [(key, self.codec.encode(self.runner.block_tensor(block_id))) for key, block_id in out.evicted]
             self.manager.put_many(items)

@@ -1,7 +1,8 @@
 """The device side: the KV arena tensors, the forward over a step's flat batch, and sampling.
 
 Reads only what the scheduler hands it (`ScheduledChunk`s with their sequences' block tables);
-never decides anything. Block copies to and from host memory and tier blocks go through here too.
+never decides anything. The KV lives in an arena (`kvtier.engine.arena`, raw or quantized), which
+also does the block copies to and from host memory and the tiers.
 """
 
 from __future__ import annotations
@@ -9,22 +10,19 @@ from __future__ import annotations
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.engine.attention import PagedBatch, SeqSlice, kv_index, paged_model
+from kvtier.engine.arena import RawArena, QuantArena
+from kvtier.engine.attention import PagedBatch, SeqSlice, paged_model
 from kvtier.engine.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: RawArena | QuantArena) -> None:
         self.model = paged_model(model)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.layout = layout
-        self.device = device
-        self.dtype = getattr(torch, layout.dtype)
-        shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_tokens, layout.head_dim)
-        # [L, num_blocks, H, T, D]: the whole device KV budget, allocated once
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.arena = arena  # the whole device KV budget, allocated once
+        self.device = arena.device
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -33,6 +31,7 @@ class ModelRunner:
         batch, input_ids, positions, last_rows = self._prepare(chunks)
         hidden = self.decoder(input_ids=input_ids, position_ids=positions, kvtier_batch=batch,
                               use_cache=False).last_hidden_state
+        self.arena.end_step()
         if not last_rows:
             return {}
         logits = self.lm_head(hidden[0, [row for _, row in last_rows]]).float()  # [S, vocab]
@@ -50,12 +49,11 @@ class ModelRunner:
             slot_offsets += [p % block_tokens for p in range(start, end)]
             num_blocks = -(-end // block_tokens)
             table = torch.tensor(seq.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-            index = kv_index(table, end, self.layout.num_kv_heads, block_tokens)
-            seqs.append(SeqSlice(q_start, len(token_ids), index, end))
+            seqs.append(SeqSlice(q_start, len(token_ids), self.arena.context_index(table, end), end))
             if end == seq.num_tokens:
                 last_rows.append((seq, len(token_ids) - 1))
         as_long = dict(dtype=torch.long, device=self.device)
-        batch = PagedBatch(self.k_cache, self.v_cache, torch.tensor(slot_blocks, **as_long),
+        batch = PagedBatch(self.arena, torch.tensor(slot_blocks, **as_long),
                            torch.tensor(slot_offsets, **as_long), seqs)
         return (batch, torch.tensor([token_ids], **as_long), torch.tensor([positions], **as_long), last_rows)
 
@@ -82,25 +80,18 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    # -- block copies ------------------------------------------------------------------------------
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[L, 2, n, H, T, D] copy of the blocks (on the device; the caller moves it)."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([self.k_cache[:, index], self.v_cache[:, index]], dim=1)
+    # -- block copies (the arena's stored form for swaps; full precision for the tiers) ----------------
+    def read_blocks(self, block_ids: list[int]):
+        """A host copy of the blocks in the arena's stored form (bit-exact back with `write_blocks`)."""
+        return self.arena.read(block_ids)
 
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Inverse of `read_blocks`; `kv` may live on the host."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        kv = kv.to(self.device, non_blocking=True)
-        self.k_cache[:, index] = kv[:, 0]
-        self.v_cache[:, index] = kv[:, 1]
+    def write_blocks(self, block_ids: list[int], copy) -> None:
+        self.arena.write_copy(block_ids, copy)
 
     def block_tensor(self, block_id: int) -> torch.Tensor:
-        """One block as a codec wants it: [L, 2, H, T, D] on the CPU."""
-        return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
+        """One full block as a codec wants it: [L, 2, H, T, D] at the model's dtype on the CPU."""
+        return self.arena.block_tensor(block_id)
 
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
         """Write one [L, 2, H, T, D] block (a decoded tier block)."""
-        kv = kv.to(device=self.device, dtype=self.dtype)
-        self.k_cache[:, block_id] = kv[:, 0]
-        self.v_cache[:, block_id] = kv[:, 1]
+        self.arena.write_block(block_id, kv)

@@ -25,7 +25,8 @@ class ServeConfig:
     device_kv_budget: str = "512MiB"
     block_tokens: int = 256
     tiers: list[str] = field(default_factory=default_tiers)  # top first; [] = device prefix cache only
-    codec: str = "raw"
+    codec: str = "raw"                   # blocks written to the tiers
+    kv_codec: str = "raw"                # the format resident on the device: raw, fp8, int8, int4, int2
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512
     preemption: str = "swap"
@@ -42,6 +43,10 @@ class ServeConfig:
         for name in ("block_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) <= 0:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
+        from kvtier.engine.arena import ARENA_CODECS
+
+        if self.kv_codec not in ARENA_CODECS:
+            raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         parse_bytes(self.device_kv_budget)
         parse_bytes(self.host_swap)
 

@@ -1,0 +1,328 @@
+"""The device KV arena: the engine's whole KV budget as fixed-size block slots, raw or quantized.
+
+`make_arena(layout, budget, codec)` picks the format resident on the device:
+
+- "raw": K and V at the model's dtype, `[L, num_blocks, H, T, D]` each (exact; the default).
+- "fp8" / "int8": every token quantized as it is written, K and V per token and head (one fp32
+  scale for fp8 e4m3; an fp16 scale and min for int8) — vLLM's `kv_cache_dtype=fp8` idea.
+- "int4" / "int2": KIVI. Values per token (groups of 64 channels), keys per channel over the
+  block's `T` tokens, so a block can only be quantized once it is full: the open (last, partial)
+  block of each sequence stays at full precision in a staging buffer — KIVI's residual, one block
+  long — and is sealed into the arena when its last token is written. The budget reserves room for
+  `max_num_seqs` such open blocks.
+
+The quantizers are `kvtier.codecs.quant`'s; the arena only lays their codes and scales out in
+block slots. Every arena offers the same operations to the runner and the attention: `write` the
+new tokens of a step, `gather` a sequence's context at full precision, `end_step`, and whole-block
+copies for swapping (`read`/`write_copy`, the stored representation, so a swap is bit-exact) and
+for the tiers (`block_tensor`/`write_block`, full precision).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.blocks import KVLayout
+from kvtier.codecs import quant
+
+ARENA_CODECS = ("raw", "fp8", "int8", "int4", "int2")
+_KIVI_GROUP = quant.DEFAULT_GROUP_SIZE
+
+
+def arena_block_bytes(layout: KVLayout, codec: str) -> int:
+    """Bytes one block slot takes in an arena of this codec (codes + scales, all layers, K and V)."""
+    if codec == "raw":
+        return layout.block_bytes
+    h, t, d, num_layers = layout.num_kv_heads, layout.block_tokens, layout.head_dim, layout.num_layers
+    return num_layers * sum(math.prod(shape) * dtype.itemsize for shape, dtype in _parts(codec, h, t, d).values())
+
+
+def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, device: torch.device | str = "cpu",
+               max_open_blocks: int = 0) -> "RawArena | QuantArena":
+    """The arena that fits `budget_bytes`; KIVI codecs first reserve `max_open_blocks` open blocks."""
+    if codec not in ARENA_CODECS:
+        raise ValueError(f"unknown device KV format {codec!r}: use one of {', '.join(ARENA_CODECS)}")
+    device = torch.device(device)
+    if codec == "raw":
+        return RawArena(layout, budget_bytes // layout.block_bytes, device)
+    reserved = max_open_blocks * layout.block_bytes if codec in ("int4", "int2") else 0
+    num_blocks = max(budget_bytes - reserved, 0) // arena_block_bytes(layout, codec)
+    return QuantArena(layout, num_blocks, device, codec, reserved)
+
+
+def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Per-layer, per-block tensors of a quantized arena: name -> (shape, dtype)."""
+    if codec == "fp8":
+        half = {"codes": ((h, t, d), torch.float8_e4m3fn), "scale": ((h, t, 1), torch.float32)}
+        return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
+    bits = int(codec[3:])
+    if codec == "int8":
+        half = {"codes": ((h, t, d), torch.uint8), "scale": ((h, t, 1), torch.float16),
+                "zero": ((h, t, 1), torch.float16)}
+        return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
+    group = min(_KIVI_GROUP, d)
+    return {
+        # keys per channel over the block's tokens: the codes of [H, T, D] in order, bit-packed
+        "k_codes": ((quant.packed_bytes(h * t * d, bits),), torch.uint8),
+        "k_scale": ((h, 1, d), torch.float16), "k_zero": ((h, 1, d), torch.float16),
+        # values per token, groups of `group` channels
+        "v_codes": ((h, t, d * bits // 8), torch.uint8),
+        "v_scale": ((h, t, -(-d // group)), torch.float16), "v_zero": ((h, t, -(-d // group)), torch.float16),
+    }
+
+
+class RawArena:
+    """K and V at the model's dtype. `gather` is one `index_select` per tensor."""
+
+    codec = "raw"
+    reserved_bytes = 0
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout, self.num_blocks, self.device = layout, num_blocks, device
+        self.dtype = getattr(torch, layout.dtype)
+        shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_tokens, layout.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes
+
+    def context_index(self, block_table: torch.Tensor, context_tokens: int) -> torch.Tensor:
+        """Row (h, p) of a layer's `[num_blocks * H * T, D]` view for every head h and position p."""
+        h, t = self.layout.num_kv_heads, self.layout.block_tokens
+        pos = torch.arange(context_tokens, device=block_table.device)
+        blocks = block_table[pos // t]
+        heads = torch.arange(h, device=block_table.device)[:, None]
+        return ((blocks[None, :] * h + heads) * t + pos % t).reshape(-1)
+
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        """keys/values: [N, H, D], token i going to slot (block_ids[i], offsets[i])."""
+        self.k_cache[layer][block_ids, :, offsets] = keys
+        self.v_cache[layer][block_ids, :, offsets] = values
+
+    def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(first query row, end row, keys, values) groups of `seq` (a `SeqSlice`); keys and values are
+        [H, context of the group's last query, D]. Raw: one group, one `index_select` each."""
+        h, d = self.layout.num_kv_heads, self.layout.head_dim
+        k = self.k_cache[layer].view(-1, d).index_select(0, seq.index).view(h, seq.context_tokens, d)
+        v = self.v_cache[layer].view(-1, d).index_select(0, seq.index).view(h, seq.context_tokens, d)
+        return [(0, seq.q_end - seq.q_start, k, v)]
+
+    def end_step(self) -> None:
+        pass
+
+    def prune(self, is_live) -> None:
+        pass
+
+    def read(self, block_ids: list[int]) -> torch.Tensor:
+        """The stored form of the blocks, on the host: [L, 2, n, H, T, D]."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([self.k_cache[:, index], self.v_cache[:, index]], dim=1).to("cpu")
+
+    def write_copy(self, block_ids: list[int], copy: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        copy = copy.to(self.device, non_blocking=True)
+        self.k_cache[:, index] = copy[:, 0]
+        self.v_cache[:, index] = copy[:, 1]
+
+    def block_tensor(self, block_id: int) -> torch.Tensor:
+        """One full block at the model's dtype, [L, 2, H, T, D] on the CPU (for a tier codec)."""
+        return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
+
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        self.k_cache[:, block_id] = kv[:, 0]
+        self.v_cache[:, block_id] = kv[:, 1]
+
+
+@dataclass(slots=True)
+class QuantCopy:
+    """Swapped-out blocks of a quantized arena: their stored tensors, and open blocks' staging."""
+
+    parts: dict[str, torch.Tensor]
+    staging: dict[int, torch.Tensor] = field(default_factory=dict)  # index in the copy -> [L, 2, H, T, D]
+
+
+class QuantArena:
+    """fp8 / int8 (per token, quantized on write) or KIVI int4 / int2 (sealed per full block)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, codec: str,
+                 reserved_bytes: int = 0) -> None:
+        self.layout, self.num_blocks, self.device, self.codec = layout, num_blocks, device, codec
+        self.reserved_bytes = reserved_bytes
+        self.dtype = getattr(torch, layout.dtype)
+        self.kivi = codec in ("int4", "int2")
+        self.bits = None if codec == "fp8" else int(codec[3:])
+        h, t, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
+        if self.kivi and d * self.bits % 8:
+            raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
+        self.group = min(_KIVI_GROUP, d) if self.kivi else d
+        self.parts = {name: torch.zeros((layout.num_layers, num_blocks, *shape), dtype=dtype, device=device)
+                      for name, (shape, dtype) in _parts(codec, h, t, d).items()}
+        # KIVI: block id -> [L, 2, H, T, D] full-precision KV of a block still being filled
+        self.staging: dict[int, torch.Tensor] = {}
+        self._sealing: set[int] = set()
+
+    @property
+    def block_bytes(self) -> int:
+        return arena_block_bytes(self.layout, self.codec)
+
+    def context_index(self, block_table: torch.Tensor, context_tokens: int) -> torch.Tensor:
+        return block_table
+
+    # -- the step's writes and reads -------------------------------------------------------------
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        if not self.kivi:
+            for kv, x in (("k", keys), ("v", values)):
+                self._store_per_token(kv, layer, block_ids, offsets, x)
+            return
+        t = self.layout.block_tokens
+        ids = block_ids.tolist()
+        for block_id in dict.fromkeys(ids):
+            if block_id not in self.staging:
+                self.staging[block_id] = torch.empty((self.layout.num_layers, 2, *self._block_half()),
+                                                     dtype=self.dtype, device=self.device)
+        for i, (block_id, offset) in enumerate(zip(ids, offsets.tolist())):
+            staged = self.staging[block_id]
+            staged[layer, 0, :, offset] = keys[i]
+            staged[layer, 1, :, offset] = values[i]
+            if offset == t - 1:
+                self._sealing.add(block_id)
+        full = [b for b in dict.fromkeys(ids) if b in self._sealing]
+        if full:
+            self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
+
+    def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per-token codecs: one group, the whole context dequantized (every token, this step's too, is
+        stored quantized). KIVI: one group per block the queries fall in — queries in block j attend to
+        blocks < j dequantized and to block j exact (its staging), so a token sees the same KV however
+        the prefill was chunked, as when decoding token by token."""
+        h, t, d = self._block_half()
+        table, context = seq.index, seq.context_tokens
+        num_q = seq.q_end - seq.q_start
+        if not self.kivi:
+            n = table.numel()
+            k = self._dequantize("k", layer, table).transpose(0, 1).reshape(h, n * t, d)[:, :context]
+            v = self._dequantize("v", layer, table).transpose(0, 1).reshape(h, n * t, d)[:, :context]
+            return [(0, num_q, k, v)]
+        first = context - num_q                      # position of the first query
+        last_block = (context - 1) // t
+        before = table[:last_block]                  # every block some query attends to dequantized
+        k_full = self._dequantize("k", layer, before).transpose(0, 1).reshape(h, last_block * t, d)
+        v_full = self._dequantize("v", layer, before).transpose(0, 1).reshape(h, last_block * t, d)
+        groups, ids = [], table.tolist()
+        for j in range(first // t, last_block + 1):
+            lo, hi = max(first, j * t), min(context, (j + 1) * t)
+            staged = self.staging.get(ids[j])
+            if staged is None:  # a block not written this step (not the engine's case): its stored form
+                own_k, own_v = (self._dequantize(kv, layer, table[j:j + 1])[0] for kv in "kv")
+            else:
+                own_k, own_v = staged[layer, 0], staged[layer, 1]
+            k = torch.cat([k_full[:, :j * t], own_k[:, :hi - j * t]], dim=1)
+            v = torch.cat([v_full[:, :j * t], own_v[:, :hi - j * t]], dim=1)
+            groups.append((lo - first, hi - first, k, v))
+        return groups
+
+    def end_step(self) -> None:
+        """Every layer of the blocks filled this step is sealed: drop their staging."""
+        for block_id in self._sealing:
+            self.staging.pop(block_id, None)
+        self._sealing.clear()
+
+    def prune(self, is_live) -> None:
+        """Drop the staging of open blocks no sequence holds any more (finished or preempted)."""
+        for block_id in [b for b in self.staging if not is_live(b)]:
+            del self.staging[block_id]
+
+    # -- whole blocks ------------------------------------------------------------------------------
+    def read(self, block_ids: list[int]) -> QuantCopy:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        parts = {name: p[:, index].to("cpu") for name, p in self.parts.items()}
+        # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
+        staging = {i: self.staging[b].to("cpu", copy=True) for i, b in enumerate(block_ids) if b in self.staging}
+        return QuantCopy(parts, staging)
+
+    def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for name, p in self.parts.items():
+            p[:, index] = copy.parts[name].to(self.device)
+        for i, block_id in enumerate(block_ids):
+            self.staging.pop(block_id, None)
+            if i in copy.staging:
+                self.staging[block_id] = copy.staging[i].to(self.device)
+
+    def block_tensor(self, block_id: int) -> torch.Tensor:
+        """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""
+        index = torch.tensor([block_id], dtype=torch.long, device=self.device)
+        layers = [torch.stack([self._dequantize("k", layer, index)[0], self._dequantize("v", layer, index)[0]])
+                  for layer in range(self.layout.num_layers)]
+        return torch.stack(layers).cpu()
+
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        """Quantize one full block (a decoded tier block) into its slot."""
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        self.staging.pop(block_id, None)
+        t = self.layout.block_tokens
+        ids = torch.full((t,), block_id, dtype=torch.long, device=self.device)
+        offsets = torch.arange(t, device=self.device)
+        for layer in range(self.layout.num_layers):
+            if self.kivi:
+                self._seal(layer, [block_id], kv[layer][None])
+            else:
+                for i, kv_name in enumerate("kv"):
+                    self._store_per_token(kv_name, layer, ids, offsets, kv[layer, i].transpose(0, 1))
+
+    # -- layout of codes and scales ------------------------------------------------------------------
+    def _block_half(self) -> tuple[int, int, int]:
+        return self.layout.num_kv_heads, self.layout.block_tokens, self.layout.head_dim
+
+    def _store_per_token(self, kv: str, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+                         x: torch.Tensor) -> None:
+        """Quantize tokens x [N, H, D] per token (and channel group) into their slots."""
+        n, h, d = x.shape
+        if self.codec == "fp8":
+            q = quant.quantize_fp8(x)
+            self.parts[f"{kv}_codes"][layer][block_ids, :, offsets] = q.data
+            self.parts[f"{kv}_scale"][layer][block_ids, :, offsets] = q.scale
+            return
+        q = quant.quantize_groups(x, self.bits, -1, self.group)
+        self.parts[f"{kv}_codes"][layer][block_ids, :, offsets] = q.data.view(n, h, -1)
+        self.parts[f"{kv}_scale"][layer][block_ids, :, offsets] = q.scale.view(n, h, -1)
+        self.parts[f"{kv}_zero"][layer][block_ids, :, offsets] = q.zero.view(n, h, -1)
+
+    def _seal(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
+        """KIVI: quantize full blocks kv [n, 2, H, T, D] of one layer into their slots."""
+        n, _, h, t, d = kv.shape
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        q = quant.quantize_groups(kv[:, 0], self.bits, -2, t)
+        self.parts["k_codes"][layer][index] = q.data.view(n, -1)
+        self.parts["k_scale"][layer][index] = q.scale.view(n, h, 1, d)
+        self.parts["k_zero"][layer][index] = q.zero.view(n, h, 1, d)
+        values = kv[:, 1].transpose(1, 2).reshape(n * t, h, d)  # [n*T, H, D], token-major like a write
+        rows = index.repeat_interleave(t)
+        self._store_per_token("v", layer, rows, torch.arange(t, device=self.device).repeat(n), values)
+
+    def _dequantize(self, kv: str, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """[n, H, T, D] at the model's dtype for the blocks in `index`."""
+        h, t, d = self._block_half()
+        n = index.numel()
+        codes = self.parts[f"{kv}_codes"][layer].index_select(0, index)
+        scale = self.parts[f"{kv}_scale"][layer].index_select(0, index)
+        if self.codec == "fp8":
+            return quant.dequantize(quant.Fp8Tensor(codes, scale, self.dtype))
+        zero = self.parts[f"{kv}_zero"][layer].index_select(0, index)
+        shape = (n, h, t, d)
+        if kv == "k" and self.kivi:  # per channel over the block's T tokens: grouped [n, H, 1, T, D]
+            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(n, h, 1, 1, d), zero.view(n, h, 1, 1, d),
+                                      self.bits, -2, t, shape, self.dtype)
+        else:  # per token, groups of `group` channels: grouped [n, H, T, D / group, group]
+            groups = -(-d // self.group)
+            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(n, h, t, groups, 1),
+                                      zero.view(n, h, t, groups, 1), self.bits, -1, self.group, shape, self.dtype)
+        return quant.dequantize(q)
