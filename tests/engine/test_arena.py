@@ -197,6 +197,8 @@ def test_requantizing_a_dequantized_block_gives_it_back(codec):
 def test_unknown_codec_and_nan_are_refused():
     with pytest.raises(ValueError, match="int3"):
         make_arena(LAYOUT, LAYOUT.block_bytes, "int3")
+    with pytest.raises(ValueError, match="max_num_seqs"):  # the open blocks alone fill the budget
+        make_arena(LAYOUT, 4 * LAYOUT.block_bytes, "int4", max_open_blocks=4)
     arena = make_arena(LAYOUT, 4 * LAYOUT.block_bytes, "int8")
     k, v = _tokens(1, seed=5)
     k[0, 0, 0] = float("nan")

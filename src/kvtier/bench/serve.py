@@ -123,7 +123,7 @@ def engine_system(name: str) -> tuple[bool, str, str]:
 
 @contextlib.contextmanager
 def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, tier_specs: list[str],
-                   preemption: str, kv_codec: str = "raw"):
+                   preemption: str, kv_codec: str = "raw", max_num_seqs: int = 32):
     """A started AsyncEngine (+ its tier stack) and the SystemResult it fills; stats on exit."""
     from kvtier.codecs import get_codec
     from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
@@ -133,7 +133,7 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
     manager = build_manager(tier_specs, slot_bytes=get_codec("raw").max_encoded_bytes(layout)) if tier_specs else None
     engine = LLMEngine(loaded, EngineConfig(device_kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
                                             preemption=preemption, max_prefill_tokens=512,
-                                            kv_codec=kv_codec), manager)
+                                            kv_codec=kv_codec, max_num_seqs=max_num_seqs), manager)
     async_engine = AsyncEngine(engine)
     async_engine.start()
     result = SystemResult(name, 0.0)
@@ -177,8 +177,10 @@ def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, bloc
     from kvtier.engine import SamplingParams
 
     sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
+    # at most one request per user runs at a time: max_num_seqs = users (KIVI reserves an open block each)
     with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
-                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec) as (async_engine, result):
+                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec,
+                        max_num_seqs=w.num_users) as (async_engine, result):
         async def user(u: int, passage: str, user_messages: list[str]) -> None:
             replies: list[str] = []
             for turn in range(len(user_messages)):

@@ -49,7 +49,11 @@ def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, devic
     if codec == "raw":
         return RawArena(layout, budget_bytes // layout.block_bytes, device)
     reserved = max_open_blocks * layout.block_bytes if codec in ("int4", "int2") else 0
-    num_blocks = max(budget_bytes - reserved, 0) // arena_block_bytes(layout, codec)
+    if reserved >= budget_bytes:
+        raise ValueError(f"a {budget_bytes:,}-byte device KV budget cannot hold the {max_open_blocks} full-precision "
+                         f"open blocks {codec} keeps (one per running sequence, {layout.block_bytes:,} bytes "
+                         "each): lower max_num_seqs or block_tokens, or raise the budget")
+    num_blocks = (budget_bytes - reserved) // arena_block_bytes(layout, codec)
     return QuantArena(layout, num_blocks, device, codec, reserved)
 
 
