@@ -83,6 +83,9 @@ def test_passkey_prompt_hides_the_key_at_the_depth():
     assert find(late.context_ids[0].tolist()) > 0.8 * late.num_tokens
     assert tok.decode(early.cue_ids[0].tolist()) == pk.CUE
     assert pk.is_correct(" 12345. Remember", 12345) and not pk.is_correct(" 1234", 12345)
+    # the question closes the context: exactly its tokens, for SnapKV's window on the question
+    q = early.question_tokens
+    assert q == len(pk.QUESTION.encode()) and tok.decode(early.context_ids[0, -q:].tolist()) == pk.QUESTION
 
 
 def test_kvtier_eval_json_on_tiny_model(capsys):
@@ -110,6 +113,21 @@ def test_kvtier_eval_bad_method_exits_2(capsys):
 
 def test_method_labels():
     assert Method("h2o", 0.25).label == "h2o@0.25" and Method("int8").label == "int8"
+    assert Method("snapkv", 0.5, question_window=True).label == "snapkv-q@0.5"
+
+
+def test_snapkv_question_window_is_the_question_where_there_is_one(tiny_model):
+    [method] = parse_methods("snapkv", "0.5", "question")[1:]
+    assert method.question_window
+    assert method.new_cache(tiny_model.model, question_tokens=7).policy.window_tokens == 7
+    assert method.new_cache(tiny_model.model).policy.window_tokens == 32  # perplexity text: no question
+
+
+def test_kvtier_eval_bad_snapkv_window_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--model", "tiny", "--methods", "snapkv", "--snapkv-window", "wide"])
+    assert exc.value.code == 2
+    assert "question" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ALL_METHODS)

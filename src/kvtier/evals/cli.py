@@ -41,7 +41,8 @@ def register(app: typer.Typer) -> None:
         chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk"),
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
-        snapkv_window: int = typer.Option(None, help="SnapKV observation window (tokens at the end of the prompt) [32]"),
+        snapkv_window: str = typer.Option(None, help="SnapKV observation window: tokens at the end of the prompt, "
+                                                     "or 'question' (the passkey question's tokens) [32]"),
         model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
         text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
@@ -106,8 +107,15 @@ def _protocol(config) -> str:
 
 
 def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window):
-    if windows < 1 or chunk < 1 or snapkv_window < 1:
-        raise UserError("--windows, --chunk and --snapkv-window must be positive")
+    if str(snapkv_window) != "question":
+        try:
+            snapkv_window = int(snapkv_window)
+        except ValueError:
+            raise UserError(f"--snapkv-window takes a token count or 'question', got {snapkv_window!r}") from None
+        if snapkv_window < 1:
+            raise UserError("--snapkv-window must be positive")
+    if windows < 1 or chunk < 1:
+        raise UserError("--windows and --chunk must be positive")
     depths = runner.parse_floats(passkey_depths, "--passkey-depths")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UserError("--passkey-depths must be fractions in [0, 1]")

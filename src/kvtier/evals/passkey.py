@@ -11,8 +11,8 @@ twice so that a 135M model can do it at full cache):
                                                         | cue: " The pass key is"
 
 Protocol: the context (everything before the cue) is prefilled once in full precision and written
-into the method's cache (quantized / evicted, SnapKV's observation window being the end of the
-context, i.e. the question). The cue is then fed through the lossy cache and the answer is
+into the method's cache (quantized / evicted; SnapKV's observation window is the last 32 tokens of
+the context, or with `--snapkv-window question` exactly the question's tokens). The cue is then fed through the lossy cache and the answer is
 greedy-decoded for `max_new_tokens`; it is correct when the first number in it equals the key.
 """
 
@@ -40,6 +40,7 @@ class PasskeyPrompt:
     depth: float
     num_tokens: int      # context + cue, as tokenized
     target_tokens: int   # the length asked for (the filler comes in whole sentences)
+    question_tokens: int = 0  # the question at the end of the context (SnapKV's window on the question)
 
 
 def make_prompt(tokenizer, num_tokens: int, depth: float, passkey: int) -> PasskeyPrompt:
@@ -50,10 +51,12 @@ def make_prompt(tokenizer, num_tokens: int, depth: float, passkey: int) -> Passk
     fixed = count(INTRO + NEEDLE.format(key=passkey) + QUESTION + CUE)
     num_fillers = max(1, (num_tokens - fixed) // count(FILLER))
     before = round(num_fillers * depth)
-    context = INTRO + FILLER * before + NEEDLE.format(key=passkey) + FILLER * (num_fillers - before) + QUESTION
-    context_ids = tokenizer(context, return_tensors="pt").input_ids
+    document = INTRO + FILLER * before + NEEDLE.format(key=passkey) + FILLER * (num_fillers - before)
+    context_ids = tokenizer(document + QUESTION, return_tensors="pt").input_ids
     cue_ids = tokenizer(CUE, return_tensors="pt", add_special_tokens=False).input_ids
-    return PasskeyPrompt(context_ids, cue_ids, passkey, depth, context_ids.shape[1] + cue_ids.shape[1], num_tokens)
+    question_tokens = context_ids.shape[1] - count(document)
+    return PasskeyPrompt(context_ids, cue_ids, passkey, depth, context_ids.shape[1] + cue_ids.shape[1], num_tokens,
+                         question_tokens)
 
 
 def make_prompts(tokenizer, lengths: list[int], depths: list[float], seed: int = 0) -> list[PasskeyPrompt]:

@@ -44,15 +44,19 @@ class Method:
     name: str
     keep: float | None = None
     window_tokens: int = SNAPKV_WINDOW_TOKENS   # SnapKV's observation window
+    question_window: bool = False  # SnapKV: the window is the prompt's question where there is one
 
     @property
     def label(self) -> str:
         name = self.name
-        if name == "snapkv" and self.window_tokens != SNAPKV_WINDOW_TOKENS:
+        if name == "snapkv" and self.question_window:
+            name = "snapkv-q"
+        elif name == "snapkv" and self.window_tokens != SNAPKV_WINDOW_TOKENS:
             name = f"snapkv-w{self.window_tokens}"
         return name if self.keep is None else f"{name}@{self.keep:g}"
 
-    def new_cache(self, model: torch.nn.Module) -> Cache:
+    def new_cache(self, model: torch.nn.Module, question_tokens: int = 0) -> Cache:
+        """A fresh cache; `question_tokens`: the length of the prompt's closing question (0: none)."""
         if self.name == "raw":
             return DynamicCache(config=model.config)
         if self.name in QUANT_METHODS:
@@ -60,8 +64,8 @@ class Method:
 
             return QuantizedKVCache(model.config, self.name)
         if self.name in EVICTION_METHODS:
-            return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep,
-                                                                  window_tokens=self.window_tokens))
+            window = question_tokens if self.question_window and question_tokens else self.window_tokens
+            return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep, window_tokens=window))
         if self.name == "hf-fp8":
             return QuantizedCache("fp8", model.config)
         backend, bits = self.name.removeprefix("hf-").split("-int")
@@ -70,8 +74,11 @@ class Method:
                               q_group_size=HF_GROUP_TOKENS, residual_length=HF_RESIDUAL_TOKENS)
 
 
-def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int = SNAPKV_WINDOW_TOKENS) -> list[Method]:
-    """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first)."""
+def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SNAPKV_WINDOW_TOKENS) -> list[Method]:
+    """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first).
+    `snapkv_window_tokens`: a token count, or "question" (the passkey question; 32 where there is none)."""
+    question = snapkv_window_tokens == "question"
+    window = SNAPKV_WINDOW_TOKENS if question else snapkv_window_tokens
     names = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in names if m not in ALL_METHODS]
     if unknown:
@@ -82,7 +89,7 @@ def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int = SNAPKV_W
     out = [Method("raw")]
     for name in names:
         if name in EVICTION_METHODS:
-            out += [Method(name, k, snapkv_window_tokens) for k in keep_values]
+            out += [Method(name, k, window, question) for k in keep_values]
         elif name != "raw":
             out.append(Method(name))
     return out
@@ -285,7 +292,7 @@ def _passkey_prompt(loaded, prompt: pk.PasskeyPrompt, config: EvalConfig, tallie
         tally = tallies[method.label]
 
         def work(method=method, tally=tally):
-            cache = method.new_cache(model)
+            cache = method.new_cache(model, prompt.question_tokens)
             fill(cache, pre)
             answer = pk.greedy_answer(model, cache, prompt.cue_ids.to(model.device), config.answer_tokens)
             correct = pk.is_correct(loaded.tokenizer.decode(answer), prompt.passkey)
