@@ -156,11 +156,12 @@ def quantize_kivi_values(x: Tensor, bits: int, group_size: int) -> QuantizedTens
 def dequantize(q: QuantizedTensor | Fp8Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """Back to `dtype` (default: the original dtype), on the device q lives on."""
     if isinstance(q, Fp8Tensor):
-        return _to_dtype(q.data.float() * q.scale, dtype or q.dtype)
+        return _to_dtype(_fp8_to_float(q.data).mul_(q.scale), dtype or q.dtype)
     padded, grouped_shape, _ = group_layout(q.shape, q.dim, q.group)
     num_codes = math.prod(grouped_shape)
     codes = q.data if q.bits == 8 else unpack_bits(q.data, q.bits, num_codes)
-    x = torch.addcmul(q.zero.float(), codes.view(grouped_shape).float(), q.scale.float())
+    # in place on the fresh fp32 codes: ~3x faster on the CPU than one broadcasting addcmul
+    x = codes.view(grouped_shape).float().mul_(q.scale.float()).add_(q.zero.float())
     x = x.view(padded).narrow(q.dim, 0, q.shape[q.dim])
     return _to_dtype(x, dtype or q.dtype)
 
@@ -250,6 +251,19 @@ def _fp16_up(v: Tensor) -> Tensor:
     """The smallest fp16 >= v (v >= 0)."""
     h = v.half()
     return torch.where(h.float() < v, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+
+
+_FP8_VALUES: Tensor | None = None
+
+
+def _fp8_to_float(data: Tensor) -> Tensor:
+    """e4m3 codes -> fp32. On the CPU a 256-entry table lookup: ~6x faster than torch's conversion there."""
+    global _FP8_VALUES
+    if data.device.type != "cpu":
+        return data.float()
+    if _FP8_VALUES is None:
+        _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return _FP8_VALUES.index_select(0, data.view(torch.uint8).reshape(-1).int()).view(data.shape)
 
 
 def _to_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:

@@ -37,7 +37,7 @@ def arena_block_bytes(layout: KVLayout, codec: str) -> int:
     if codec == "raw":
         return layout.block_bytes
     h, t, d, num_layers = layout.num_kv_heads, layout.block_tokens, layout.head_dim, layout.num_layers
-    return num_layers * sum(math.prod(shape) * dtype.itemsize for shape, dtype in _parts(codec, h, t, d).values())
+    return num_layers * h * sum(math.prod(shape) * dtype.itemsize for shape, dtype in _parts(codec, h, t, d).values())
 
 
 def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, device: torch.device | str = "cpu",
@@ -58,23 +58,23 @@ def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, devic
 
 
 def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Per-layer, per-block tensors of a quantized arena: name -> (shape, dtype)."""
+    """A quantized arena's tensors, name -> (shape per KV head and block, dtype). Each is allocated
+    `[L, H, num_blocks, *shape]` (head-major: a sequence's blocks gather straight into [H, tokens, ...])."""
     if codec == "fp8":
-        half = {"codes": ((h, t, d), torch.float8_e4m3fn), "scale": ((h, t, 1), torch.float32)}
+        half = {"codes": ((t, d), torch.float8_e4m3fn), "scale": ((t, 1), torch.float32)}
         return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
     bits = int(codec[3:])
     if codec == "int8":
-        half = {"codes": ((h, t, d), torch.uint8), "scale": ((h, t, 1), torch.float16),
-                "zero": ((h, t, 1), torch.float16)}
+        half = {"codes": ((t, d), torch.uint8), "scale": ((t, 1), torch.float16), "zero": ((t, 1), torch.float16)}
         return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
-    group = min(_KIVI_GROUP, d)
+    groups = -(-d // min(_KIVI_GROUP, d))
     return {
-        # keys per channel over the block's tokens: the codes of [H, T, D] in order, bit-packed
-        "k_codes": ((quant.packed_bytes(h * t * d, bits),), torch.uint8),
-        "k_scale": ((h, 1, d), torch.float16), "k_zero": ((h, 1, d), torch.float16),
-        # values per token, groups of `group` channels
-        "v_codes": ((h, t, d * bits // 8), torch.uint8),
-        "v_scale": ((h, t, -(-d // group)), torch.float16), "v_zero": ((h, t, -(-d // group)), torch.float16),
+        # keys per channel over the block's tokens: the codes of [T, D] in order, bit-packed
+        "k_codes": ((quant.packed_bytes(t * d, bits),), torch.uint8),
+        "k_scale": ((1, d), torch.float16), "k_zero": ((1, d), torch.float16),
+        # values per token, groups of 64 channels
+        "v_codes": ((t, d * bits // 8), torch.uint8),
+        "v_scale": ((t, groups), torch.float16), "v_zero": ((t, groups), torch.float16),
     }
 
 
@@ -153,7 +153,10 @@ class QuantCopy:
 
 
 class QuantArena:
-    """fp8 / int8 (per token, quantized on write) or KIVI int4 / int2 (sealed per full block)."""
+    """fp8 / int8 (per token, quantized on write) or KIVI int4 / int2 (sealed per full block).
+
+    Every part is `[L, H, num_blocks, ...]`, so a sequence's blocks gather (`index_select` on the
+    block axis) straight into `[H, blocks × T, ...]` and dequantize without a transpose copy."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, codec: str,
                  reserved_bytes: int = 0) -> None:
@@ -166,7 +169,7 @@ class QuantArena:
         if self.kivi and d * self.bits % 8:
             raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
         self.group = min(_KIVI_GROUP, d) if self.kivi else d
-        self.parts = {name: torch.zeros((layout.num_layers, num_blocks, *shape), dtype=dtype, device=device)
+        self.parts = {name: torch.zeros((layout.num_layers, h, num_blocks, *shape), dtype=dtype, device=device)
                       for name, (shape, dtype) in _parts(codec, h, t, d).items()}
         # KIVI: block id -> [L, 2, H, T, D] full-precision KV of a block still being filled
         self.staging: dict[int, torch.Tensor] = {}
@@ -207,25 +210,22 @@ class QuantArena:
         stored quantized). KIVI: one group per block the queries fall in — queries in block j attend to
         blocks < j dequantized and to block j exact (its staging), so a token sees the same KV however
         the prefill was chunked, as when decoding token by token."""
-        h, t, d = self._block_half()
+        t = self.layout.block_tokens
         table, context = seq.index, seq.context_tokens
         num_q = seq.q_end - seq.q_start
         if not self.kivi:
-            n = table.numel()
-            k = self._dequantize("k", layer, table).transpose(0, 1).reshape(h, n * t, d)[:, :context]
-            v = self._dequantize("v", layer, table).transpose(0, 1).reshape(h, n * t, d)[:, :context]
-            return [(0, num_q, k, v)]
+            k, v = self._dequantize("k", layer, table), self._dequantize("v", layer, table)
+            return [(0, num_q, k[:, :context], v[:, :context])]
         first = context - num_q                      # position of the first query
         last_block = (context - 1) // t
         before = table[:last_block]                  # every block some query attends to dequantized
-        k_full = self._dequantize("k", layer, before).transpose(0, 1).reshape(h, last_block * t, d)
-        v_full = self._dequantize("v", layer, before).transpose(0, 1).reshape(h, last_block * t, d)
+        k_full, v_full = self._dequantize("k", layer, before), self._dequantize("v", layer, before)
         groups, ids = [], table.tolist()
         for j in range(first // t, last_block + 1):
             lo, hi = max(first, j * t), min(context, (j + 1) * t)
             staged = self.staging.get(ids[j])
             if staged is None:  # a block not written this step (not the engine's case): its stored form
-                own_k, own_v = (self._dequantize(kv, layer, table[j:j + 1])[0] for kv in "kv")
+                own_k, own_v = (self._dequantize(kv, layer, table[j:j + 1]) for kv in "kv")
             else:
                 own_k, own_v = staged[layer, 0], staged[layer, 1]
             k = torch.cat([k_full[:, :j * t], own_k[:, :hi - j * t]], dim=1)
@@ -247,7 +247,7 @@ class QuantArena:
     # -- whole blocks ------------------------------------------------------------------------------
     def read(self, block_ids: list[int]) -> QuantCopy:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        parts = {name: p[:, index].to("cpu") for name, p in self.parts.items()}
+        parts = {name: p.index_select(2, index).to("cpu") for name, p in self.parts.items()}
         # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
         staging = {i: self.staging[b].to("cpu", copy=True) for i, b in enumerate(block_ids) if b in self.staging}
         return QuantCopy(parts, staging)
@@ -255,7 +255,7 @@ class QuantArena:
     def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for name, p in self.parts.items():
-            p[:, index] = copy.parts[name].to(self.device)
+            p[:, :, index] = copy.parts[name].to(self.device)
         for i, block_id in enumerate(block_ids):
             self.staging.pop(block_id, None)
             if i in copy.staging:
@@ -264,12 +264,12 @@ class QuantArena:
     def block_tensor(self, block_id: int) -> torch.Tensor:
         """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""
         index = torch.tensor([block_id], dtype=torch.long, device=self.device)
-        layers = [torch.stack([self._dequantize("k", layer, index)[0], self._dequantize("v", layer, index)[0]])
+        layers = [torch.stack([self._dequantize("k", layer, index), self._dequantize("v", layer, index)])
                   for layer in range(self.layout.num_layers)]
         return torch.stack(layers).cpu()
 
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
-        """Quantize one full block (a decoded tier block) into its slot."""
+        """Quantize one full block (a decoded tier block, [L, 2, H, T, D]) into its slot."""
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.staging.pop(block_id, None)
         t = self.layout.block_tokens
@@ -289,44 +289,44 @@ class QuantArena:
     def _store_per_token(self, kv: str, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
                          x: torch.Tensor) -> None:
         """Quantize tokens x [N, H, D] per token (and channel group) into their slots."""
-        n, h, d = x.shape
+        x = x.transpose(0, 1)  # [H, N, D]: the parts' order
+        h, n, _ = x.shape
         if self.codec == "fp8":
             q = quant.quantize_fp8(x)
-            self.parts[f"{kv}_codes"][layer][block_ids, :, offsets] = q.data
-            self.parts[f"{kv}_scale"][layer][block_ids, :, offsets] = q.scale
+            self.parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data
+            self.parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale
             return
         q = quant.quantize_groups(x, self.bits, -1, self.group)
-        self.parts[f"{kv}_codes"][layer][block_ids, :, offsets] = q.data.view(n, h, -1)
-        self.parts[f"{kv}_scale"][layer][block_ids, :, offsets] = q.scale.view(n, h, -1)
-        self.parts[f"{kv}_zero"][layer][block_ids, :, offsets] = q.zero.view(n, h, -1)
+        self.parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data.view(h, n, -1)
+        self.parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale.view(h, n, -1)
+        self.parts[f"{kv}_zero"][layer][:, block_ids, offsets] = q.zero.view(h, n, -1)
 
     def _seal(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
         """KIVI: quantize full blocks kv [n, 2, H, T, D] of one layer into their slots."""
         n, _, h, t, d = kv.shape
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        q = quant.quantize_groups(kv[:, 0], self.bits, -2, t)
-        self.parts["k_codes"][layer][index] = q.data.view(n, -1)
-        self.parts["k_scale"][layer][index] = q.scale.view(n, h, 1, d)
-        self.parts["k_zero"][layer][index] = q.zero.view(n, h, 1, d)
+        q = quant.quantize_groups(kv[:, 0].transpose(0, 1), self.bits, -2, t)  # [H, n, T, D], per channel
+        self.parts["k_codes"][layer][:, index] = q.data.view(h, n, -1)
+        self.parts["k_scale"][layer][:, index] = q.scale.view(h, n, 1, d)
+        self.parts["k_zero"][layer][:, index] = q.zero.view(h, n, 1, d)
         values = kv[:, 1].transpose(1, 2).reshape(n * t, h, d)  # [n*T, H, D], token-major like a write
         rows = index.repeat_interleave(t)
         self._store_per_token("v", layer, rows, torch.arange(t, device=self.device).repeat(n), values)
 
     def _dequantize(self, kv: str, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """[n, H, T, D] at the model's dtype for the blocks in `index`."""
+        """[H, n × T, D] at the model's dtype for the n blocks in `index`, in that order."""
         h, t, d = self._block_half()
         n = index.numel()
-        codes = self.parts[f"{kv}_codes"][layer].index_select(0, index)
-        scale = self.parts[f"{kv}_scale"][layer].index_select(0, index)
+        codes = self.parts[f"{kv}_codes"][layer].index_select(1, index)
+        scale = self.parts[f"{kv}_scale"][layer].index_select(1, index)
         if self.codec == "fp8":
-            return quant.dequantize(quant.Fp8Tensor(codes, scale, self.dtype))
-        zero = self.parts[f"{kv}_zero"][layer].index_select(0, index)
-        shape = (n, h, t, d)
-        if kv == "k" and self.kivi:  # per channel over the block's T tokens: grouped [n, H, 1, T, D]
-            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(n, h, 1, 1, d), zero.view(n, h, 1, 1, d),
-                                      self.bits, -2, t, shape, self.dtype)
-        else:  # per token, groups of `group` channels: grouped [n, H, T, D / group, group]
-            groups = -(-d // self.group)
-            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(n, h, t, groups, 1),
-                                      zero.view(n, h, t, groups, 1), self.bits, -1, self.group, shape, self.dtype)
+            return quant.dequantize(quant.Fp8Tensor(codes.view(h, n * t, d), scale.view(h, n * t, 1), self.dtype))
+        zero = self.parts[f"{kv}_zero"][layer].index_select(1, index)
+        if kv == "k" and self.kivi:  # per channel over each block's T tokens: grouped [H, n, 1, T, D]
+            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n, 1, 1, d), zero.view(h, n, 1, 1, d),
+                                      self.bits, -2, t, (h, n, t, d), self.dtype)
+            return quant.dequantize(q).view(h, n * t, d)
+        groups = -(-d // self.group)  # per token, groups of `group` channels: grouped [H, n T, D / group, group]
+        q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n * t, groups, 1), zero.view(h, n * t, groups, 1),
+                                  self.bits, -1, self.group, (h, n * t, d), self.dtype)
         return quant.dequantize(q)
