@@ -61,6 +61,18 @@ def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):
         assert reqs[i].token_ids[:16 * full] == reqs[j].token_ids[:16 * full]
 
 
+def test_trace_requests_from_a_later_start(mooncake_trace_path):
+    from kvtier.bench.serve import trace_requests
+    from kvtier.sim.trace import read_trace
+
+    raw = read_trace(mooncake_trace_path)[100:110]
+    reqs = trace_requests(mooncake_trace_path, num_requests=10, start=100, vocab_size=256)
+    assert [r.arrival_s for r in reqs] == [(t.timestamp_ms - raw[0].timestamp_ms) / 1000 for t in raw]
+    assert reqs[0].arrival_s == 0.0
+    assert trace_requests(mooncake_trace_path, num_requests=10, start=100, vocab_size=256)[3].token_ids == \
+        reqs[3].token_ids
+
+
 def test_tiny_trace_replay_all_systems_agree():
     from kvtier.bench.serve import run_trace
 

@@ -207,8 +207,10 @@ class TraceRequest:
 
 
 def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_tokens: int = 8,
-                   time_scale: float = 1.0, vocab_size: int = 49152, max_context: int = 8192) -> list[TraceRequest]:
-    """The first `num_requests` of a Mooncake trace, scaled to a small model: each 512-token block
+                   time_scale: float = 1.0, vocab_size: int = 49152, max_context: int = 8192,
+                   start: int = 0) -> list[TraceRequest]:
+    """`num_requests` of a Mooncake trace from request `start` on (arrivals relative to the first of
+    them), scaled to a small model: each 512-token block
     (`hash_ids`) becomes `block_tokens` tokens — fixed per block id, so requests that share block ids
     share exactly those token prefixes, as in the trace — the partial last block in proportion,
     outputs capped at `max_tokens`, arrivals at `timestamp × time_scale`, prompts cut to the context."""
@@ -217,14 +219,17 @@ def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_
     from kvtier.sim.trace import BLOCK_TOKENS, read_trace
 
     out = []
-    for r in read_trace(path)[:num_requests]:
+    selected = read_trace(path)[start:start + num_requests]
+    t0_ms = selected[0].timestamp_ms if selected else 0.0
+    for r in selected:
         ids: list[int] = []
         for i, block_id in enumerate(r.hash_ids):
             n = max(1, round(r.block_tokens(i) * block_tokens / BLOCK_TOKENS))
             g = torch.Generator().manual_seed(block_id)
             ids += torch.randint(0, vocab_size, (block_tokens,), generator=g)[:n].tolist()
         ids = ids[:max_context - max_tokens - 1] or [0]
-        out.append(TraceRequest(r.timestamp_ms / 1000 * time_scale, ids, max(1, min(r.output_length, max_tokens))))
+        out.append(TraceRequest((r.timestamp_ms - t0_ms) / 1000 * time_scale, ids,
+                                max(1, min(r.output_length, max_tokens))))
     return out
 
 
@@ -319,7 +324,7 @@ def run_generate_trace(loaded, reqs: list[TraceRequest]) -> SystemResult:
     return result
 
 
-def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_block_tokens: int = 16,
+def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_start: int = 0, trace_block_tokens: int = 16,
               max_tokens: int = 8, time_scale: float = 1.0, device_kv_budget: str = "48MiB",
               block_tokens: int = 16, dram: str = "1GiB",
               systems: tuple[str, ...] = ("generate", "kvtier", "device-prefix")) -> list[dict]:
@@ -331,6 +336,7 @@ def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_block_tok
     loaded = models.load(model)
     reqs = trace_requests(shared_data_file(MOONCAKE_TRACE), num_requests=num_requests,
                           block_tokens=trace_block_tokens, max_tokens=max_tokens, time_scale=time_scale,
+                          start=trace_start,
                           vocab_size=loaded.config.vocab_size,
                           max_context=getattr(loaded.config, "max_position_embeddings", 8192))
     budget = parse_bytes(device_kv_budget)
@@ -393,7 +399,8 @@ def add_command(bench) -> None:
               model: str = typer.Option("smollm2"), json_out: bool = typer.Option(False, "--json"),
               workload: str = typer.Option("chat", help="chat (multi-turn tinyshakespeare) or mooncake "
                                                         "(the shared Mooncake trace, scaled to the model)"),
-              trace_requests_: int = typer.Option(32, "--trace-requests", min=1, help="mooncake: first N requests"),
+              trace_requests_: int = typer.Option(32, "--trace-requests", min=1, help="mooncake: N requests"),
+              trace_start: int = typer.Option(0, min=0, help="mooncake: the first request replayed (its index)"),
               trace_block_tokens: int = typer.Option(16, min=1, help="mooncake: tokens per 512-token trace block"),
               time_scale: float = typer.Option(1.0, help="mooncake: arrival time = trace timestamp x this")) -> None:
         """Multi-turn chat (or the Mooncake trace): kvtier with tiers vs device-only prefix cache +
@@ -414,7 +421,8 @@ def add_command(bench) -> None:
                        device_kv_budget=device_kv_budget, block_tokens=block_tokens, dram=dram, ssd=ssd,
                        systems=names)
         elif workload == "mooncake":
-            rows = run_trace(model=model, num_requests=trace_requests_, trace_block_tokens=trace_block_tokens,
+            rows = run_trace(model=model, num_requests=trace_requests_, trace_start=trace_start,
+                             trace_block_tokens=trace_block_tokens,
                              max_tokens=max_tokens, time_scale=time_scale, device_kv_budget=device_kv_budget,
                              block_tokens=block_tokens, dram=dram, systems=names)
         else:
