@@ -96,6 +96,7 @@ def test_kvtier_eval_json_on_tiny_model(capsys):
     assert exc.value.code == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["raw", "streamingllm", "snapkv", "hf-fp8"]
+    assert rows[2]["label"] == "snapkv-q@0.5"  # by default SnapKV looks from the question
     for row in rows:
         assert REQUIRED_KEYS <= set(row) and row["error"] is None
         assert row["ppl"] > 1.0 and row["passkey_acc"] in (0.0, 1.0)

@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
         snapkv_window: str = typer.Option(None, help="SnapKV observation window: tokens at the end of the prompt, "
-                                                     "or 'question' (the passkey question's tokens) [32]"),
+                                                     "or 'question' (the passkey question's tokens; 32 on "
+                                                     "plain text) [question]"),
         model: str = typer.Option("smollm2", help="smollm2, tiny, or a local HF model directory"),
         text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
@@ -86,10 +87,10 @@ def register(app: typer.Typer) -> None:
             console.print(f"plot written to {plot_path}")
 
 
-def _default_snapkv_window() -> int:
-    from kvtier.levers.eviction import DEFAULT_SNAPKV_WINDOW_TOKENS
-
-    return DEFAULT_SNAPKV_WINDOW_TOKENS
+def _default_snapkv_window() -> str:
+    # SnapKV's observation window is the prompt's closing instruction: the passkey question there,
+    # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
+    return "question"
 
 
 def _default_methods() -> tuple[str, ...]:
