@@ -112,6 +112,29 @@ def test_evicted_blocks_go_to_the_tiers_and_come_back(tiny_model, tiny_prompts, 
         manager.close()
 
 
+@pytest.mark.parametrize("tier_writes", ["full", "evict"])
+def test_blocks_reach_the_tiers_when_full_or_when_evicted(tiny_model, tiny_prompts, refs, tier_writes):
+    layout = tiny_model.kv_layout(BLOCK)
+    manager = build_manager(["dram:1MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    try:
+        first = make_engine(tiny_model, 64, manager, tier_writes=tier_writes)  # room: nothing is evicted
+        assert run_all(first, [tiny_prompts[2]]) == [refs[2]]
+        manager.flush()
+        full_blocks = (len(tiny_prompts[2]) + NEW - 1) // BLOCK
+        written = first.stats().num_blocks_written_to_tiers
+        second = make_engine(tiny_model, 64, manager)  # another server on the same tiers, first still up
+        assert run_all(second, [tiny_prompts[2]]) == [refs[2]]
+        if tier_writes == "full":
+            assert written == full_blocks and second.stats().prefix_hit_tokens_by_tier == {"dram": 32}
+        else:
+            assert written == 0 and second.stats().prefix_hit_tokens_by_tier == {}
+        # at shutdown every cached block goes down, each key once
+        first.flush_to_tiers()
+        assert first.stats().num_blocks_written_to_tiers == full_blocks
+    finally:
+        manager.close()
+
+
 def test_no_prefix_caching_never_hits(tiny_model, tiny_prompts, refs):
     engine = make_engine(tiny_model, 64, prefix_caching=False)
     assert run_all(engine, [tiny_prompts[2], tiny_prompts[2]]) == [refs[2], refs[2]]

@@ -39,6 +39,7 @@ def test_file_then_flags(tmp_path):
     ("device_kv_budget = 'lots'", "lots"),
     ("port = [", "cannot parse"),
     ("kv_codec = 'int3'", "kv_codec"),
+    ("tier_writes = 'never'", "tier_writes"),
 ])
 def test_bad_settings_are_user_errors(tmp_path, text, message):
     path = tmp_path / "bad.toml"

@@ -117,6 +117,9 @@ class RawArena:
         v = self.v_cache[layer].view(-1, d).index_select(0, seq.index).view(h, seq.context_tokens, d)
         return [(0, seq.q_end - seq.q_start, k, v)]
 
+    def begin_step(self, seqs: list) -> None:
+        pass
+
     def end_step(self) -> None:
         pass
 
@@ -174,6 +177,8 @@ class QuantArena:
         # KIVI: block id -> [L, 2, H, T, D] full-precision KV of a block still being filled
         self.staging: dict[int, torch.Tensor] = {}
         self._sealing: set[int] = set()
+        self._plan: tuple[torch.Tensor, dict[int, tuple]] | None = None  # see begin_step
+        self._decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}       # layer -> the union, decoded
 
     @property
     def block_bytes(self) -> int:
@@ -185,6 +190,7 @@ class QuantArena:
     # -- the step's writes and reads -------------------------------------------------------------
     def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
+        self._decoded.pop(layer, None)
         if not self.kivi:
             for kv, x in (("k", keys), ("v", values)):
                 self._store_per_token(kv, layer, block_ids, offsets, x)
@@ -205,27 +211,46 @@ class QuantArena:
         if full:
             self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
 
+    def begin_step(self, seqs: list) -> None:
+        """Plan the step's gathers: the union of the blocks the sequences read dequantized (decoded once per
+        layer, not once per sequence) and each sequence's rows in it."""
+        t = self.layout.block_tokens
+        tables = {id(seq): self._dequantized_blocks(seq) for seq in seqs}
+        union = sorted({b for table in tables.values() for b in table})
+        slot = {b: i for i, b in enumerate(union)}
+        rows = {}
+        for seq in seqs:
+            table = tables[id(seq)]
+            blocks = torch.tensor([slot[b] for b in table], dtype=torch.long)
+            # the plan holds `seq` itself, so its id cannot be reused by another object during the step
+            rows[id(seq)] = (seq, (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device))
+        self._plan = (torch.tensor(union, dtype=torch.long, device=self.device), rows)
+        self._decoded = {}
+
     def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """Per-token codecs: one group, the whole context dequantized (every token, this step's too, is
         stored quantized). KIVI: one group per block the queries fall in — queries in block j attend to
         blocks < j dequantized and to block j exact (its staging), so a token sees the same KV however
         the prefill was chunked, as when decoding token by token."""
-        t = self.layout.block_tokens
-        table, context = seq.index, seq.context_tokens
+        if self._plan is None or self._plan[1].get(id(seq), (None,))[0] is not seq:
+            self.begin_step([seq])  # a gather outside a planned step (tests, tools)
+        if layer not in self._decoded:  # after this layer's writes: this step's tokens included
+            union = self._plan[0]
+            self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
+        rows = self._plan[1][id(seq)][1]
+        k_union, v_union = self._decoded[layer]
+        k_full, v_full = k_union.index_select(1, rows), v_union.index_select(1, rows)  # [H, blocks × T, D]
+        t, context = self.layout.block_tokens, seq.context_tokens
         num_q = seq.q_end - seq.q_start
         if not self.kivi:
-            k, v = self._dequantize("k", layer, table), self._dequantize("v", layer, table)
-            return [(0, num_q, k[:, :context], v[:, :context])]
+            return [(0, num_q, k_full[:, :context], v_full[:, :context])]
         first = context - num_q                      # position of the first query
-        last_block = (context - 1) // t
-        before = table[:last_block]                  # every block some query attends to dequantized
-        k_full, v_full = self._dequantize("k", layer, before), self._dequantize("v", layer, before)
-        groups, ids = [], table.tolist()
-        for j in range(first // t, last_block + 1):
+        groups, ids = [], seq.index.tolist()
+        for j in range(first // t, (context - 1) // t + 1):
             lo, hi = max(first, j * t), min(context, (j + 1) * t)
             staged = self.staging.get(ids[j])
             if staged is None:  # a block not written this step (not the engine's case): its stored form
-                own_k, own_v = (self._dequantize(kv, layer, table[j:j + 1]) for kv in "kv")
+                own_k, own_v = (self._dequantize(kv, layer, seq.index[j:j + 1]) for kv in "kv")
             else:
                 own_k, own_v = staged[layer, 0], staged[layer, 1]
             k = torch.cat([k_full[:, :j * t], own_k[:, :hi - j * t]], dim=1)
@@ -233,8 +258,14 @@ class QuantArena:
             groups.append((lo - first, hi - first, k, v))
         return groups
 
+    def _dequantized_blocks(self, seq) -> list[int]:
+        """The blocks of `seq` read from their stored form: all (per token), or those before the last (KIVI)."""
+        table = seq.index.tolist()
+        return table[:(seq.context_tokens - 1) // self.layout.block_tokens] if self.kivi else table
+
     def end_step(self) -> None:
         """Every layer of the blocks filled this step is sealed: drop their staging."""
+        self._plan, self._decoded = None, {}
         for block_id in self._sealing:
             self.staging.pop(block_id, None)
         self._sealing.clear()
@@ -317,6 +348,8 @@ class QuantArena:
         """[H, n × T, D] at the model's dtype for the n blocks in `index`, in that order."""
         h, t, d = self._block_half()
         n = index.numel()
+        if n == 0:
+            return torch.empty((h, 0, d), dtype=self.dtype, device=self.device)
         codes = self.parts[f"{kv}_codes"][layer].index_select(1, index)
         scale = self.parts[f"{kv}_scale"][layer].index_select(1, index)
         if self.codec == "fp8":

@@ -1,12 +1,14 @@
 """`LLMEngine`: the synchronous core — schedule, move blocks, run, postprocess — nano-vllm style.
 
-The engine is the only caller of the tier manager while serving: cached device blocks that the
-block manager evicts are encoded and written down to the tiers, and admission pulls prefix blocks
-back up from them (`_fetch_prefix`).
+The engine is the only caller of the tier manager while serving: each block is encoded and handed to
+the manager once, as soon as it is full and computed (`tier_writes="full"`, so another server sharing
+a pool sees a prefix while this one still holds it), or when the device evicts it (`"evict"`); admission
+pulls prefix blocks back up from the tiers (`_fetch_prefix`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,7 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 
 _MiB = 1 << 20
+_MAX_REMEMBERED_KEYS = 1 << 20  # ~50 MiB of keys at most
 
 
 @dataclass(slots=True)
@@ -31,13 +34,16 @@ class EngineConfig:
     preemption: str = "swap"        # "swap" to host memory; "recompute" is the baseline
     prefix_caching: bool = True
     host_swap_bytes: int = 4096 * _MiB
-    codec: str = "raw"              # how evicted blocks are written to the tiers
+    codec: str = "raw"              # how blocks are written to the tiers
+    tier_writes: str = "full"       # "full": each block as soon as it is computed; "evict": when the device evicts it
     kv_codec: str = "raw"           # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
         if self.preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
+        if self.tier_writes not in ("full", "evict"):
+            raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
             raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens"):
@@ -93,6 +99,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.num_blocks_written_to_tiers = 0
+        # keys this engine wrote or read from the tiers: an evicted block among them is not written again
+        self._in_tiers: OrderedDict[bytes, None] = OrderedDict()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -139,6 +147,9 @@ class LLMEngine:
         self._move_blocks(out)
         sampled = self.runner.run(out.chunks) if out.chunks else {}
         outputs = [self._output(seq) for seq in self.scheduler.postprocess(out, sampled)]
+        newly_full, self.scheduler.newly_full = self.scheduler.newly_full, []
+        if self.config.tier_writes == "full":
+            self._write_to_tiers(newly_full)
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
@@ -150,18 +161,34 @@ class LLMEngine:
         # may be reallocated in the same step)
         for request_id, block_ids in out.swap_out:
             self._host_kv[request_id] = self.runner.read_blocks(block_ids)
-        if out.evicted and self.manager is not None:
-            items = [(key, self.codec.encode(self.runner.block_tensor(block_id))) for key, block_id in out.evicted]
-            self.manager.put_many(items)
-            self.num_blocks_written_to_tiers += len(items)
+        self._write_to_tiers(out.evicted)
         for request_id, block_ids in out.swap_in:
             self.runner.write_blocks(block_ids, self._host_kv.pop(request_id))
         for block_id, block in out.loads:
             self.runner.write_block(block_id, block)
 
+    def _write_to_tiers(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Encode device blocks and hand them to the manager (its worker writes them down), once per key."""
+        if self.manager is None:
+            return
+        items = [(key, self.codec.encode(self.runner.block_tensor(block_id)))
+                 for key, block_id in blocks if key not in self._in_tiers]
+        if items:
+            self.manager.put_many(items)
+            self.num_blocks_written_to_tiers += len(items)
+            self._remember_in_tiers(key for key, _ in items)
+
+    def _remember_in_tiers(self, keys) -> None:
+        for key in keys:
+            self._in_tiers[key] = None
+            self._in_tiers.move_to_end(key)
+        while len(self._in_tiers) > _MAX_REMEMBERED_KEYS:
+            self._in_tiers.popitem(last=False)
+
     def _fetch_prefix(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[str]]:
         tiers = self.manager.lookup(keys)
         payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
+        self._remember_in_tiers(keys[:len(payloads)])
         return [self.codec.decode(buf) for buf in payloads], tiers[:len(payloads)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -178,13 +205,10 @@ class LLMEngine:
         """Write every cached device block to the tiers (e.g. before shutdown); returns how many."""
         if self.manager is None:
             return 0
-        items = [(key, self.codec.encode(self.runner.block_tensor(block_id)))
-                 for key, block_id in self.block_manager.cached_blocks()]
-        if items:
-            self.manager.put_many(items)
+        before = self.num_blocks_written_to_tiers
+        self._write_to_tiers(self.block_manager.cached_blocks())
         self.manager.flush()
-        self.num_blocks_written_to_tiers += len(items)
-        return len(items)
+        return self.num_blocks_written_to_tiers - before
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager

@@ -53,6 +53,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 last_rows.append((seq, len(token_ids) - 1))
         as_long = dict(dtype=torch.long, device=self.device)
+        self.arena.begin_step(seqs)
         batch = PagedBatch(self.arena, torch.tensor(slot_blocks, **as_long),
                            torch.tensor(slot_offsets, **as_long), seqs)
         return (batch, torch.tensor([token_ids], **as_long), torch.tensor([positions], **as_long), last_rows)

@@ -70,6 +70,7 @@ class Scheduler:
         self.num_swapped_blocks = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens_by_tier: dict[str, int] = {}
+        self.newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since the engine last took them
         self._spaces: dict[str, KeySpace] = {}
 
     # -- requests --------------------------------------------------------------------------------
@@ -250,8 +251,8 @@ class Scheduler:
             parent = seq.block_keys[-1] if seq.block_keys else self._space(seq.namespace).root_key()
             key = chain_key(parent, seq.token_ids[i * block_tokens:(i + 1) * block_tokens])
             seq.block_keys.append(key)
-            if self.prefix_caching:
-                self.block_manager.register(seq.block_ids[i], key)
+            if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key):
+                self.newly_full.append((key, seq.block_ids[i]))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids):

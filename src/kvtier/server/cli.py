@@ -25,6 +25,7 @@ def build_app(config):
         max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
         preemption=config.preemption, prefix_caching=config.prefix_caching,
         host_swap_bytes=parse_bytes(config.host_swap), codec=config.codec, kv_codec=config.kv_codec,
+        tier_writes=config.tier_writes,
         max_model_tokens=config.max_model_tokens), manager)
 
     def on_shutdown() -> None:
@@ -54,6 +55,8 @@ def register(app: typer.Typer) -> None:
         codec: str = typer.Option(None, help="codec of blocks written to the tiers [raw]"),
         kv_codec: str = typer.Option(None, help="KV format resident on the device: raw, fp8, int8 (per token), "
                                                 "int4, int2 (KIVI; the open block stays exact) [raw]"),
+        tier_writes: str = typer.Option(None, help="full (each block as soon as it is computed) or evict "
+                                                   "(when the device evicts it) [full]"),
         max_num_seqs: int = typer.Option(None, help="running sequences at most [32]"),
         max_prefill_tokens: int = typer.Option(None, help="prompt tokens computed per step (chunked prefill) [512]"),
         preemption: str = typer.Option(None, help="swap (to host memory) or recompute [swap]"),
@@ -70,6 +73,7 @@ def register(app: typer.Typer) -> None:
         config = ServeConfig.load(config_file, model=model, served_model_name=served_model_name, host=host,
                                   port=port, device_kv_budget=device_kv_budget, block_tokens=block_tokens,
                                   tiers=[] if no_tiers else (list(tier or []) or None), codec=codec, kv_codec=kv_codec,
+                                  tier_writes=tier_writes,
                                   max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                                   preemption=preemption, host_swap=host_swap, max_model_tokens=max_model_tokens,
                                   record_trace=record_trace)

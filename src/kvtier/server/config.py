@@ -27,6 +27,7 @@ class ServeConfig:
     tiers: list[str] = field(default_factory=default_tiers)  # top first; [] = device prefix cache only
     codec: str = "raw"                   # blocks written to the tiers
     kv_codec: str = "raw"                # the format resident on the device: raw, fp8, int8, int4, int2
+    tier_writes: str = "full"            # blocks go to the tiers when full ("full") or when evicted ("evict")
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512
     preemption: str = "swap"
@@ -45,6 +46,8 @@ class ServeConfig:
                 raise UserError(f"{name} must be positive, got {getattr(self, name)}")
         from kvtier.engine.arena import ARENA_CODECS
 
+        if self.tier_writes not in ("full", "evict"):
+            raise UserError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
             raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         parse_bytes(self.device_kv_budget)
