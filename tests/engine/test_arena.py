@@ -141,6 +141,25 @@ def test_kivi_prefill_sees_the_same_kv_however_it_is_chunked():
         stepped.end_step()
 
 
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_planned_step_gathers_what_each_sequence_alone_would(codec):
+    """One decode per sequence; b and c share a's first block (a prefix), so their blocks are not
+    consecutive in the step's decoded union."""
+    arena = make_arena(LAYOUT, 16 * LAYOUT.block_bytes, codec, max_open_blocks=3)
+    tables = {"a": [0, 1, 2], "b": [0, 3, 4], "c": [5, 0, 6]}
+    k, v = _tokens(24, seed=7)
+    for layer in range(L):
+        for table in tables.values():
+            _write(arena, layer, table, 0, k[:20], v[:20])
+    arena.end_step()
+    alone = {name: _gather(arena, 1, table, 20) for name, table in tables.items()}
+    seqs = {name: SeqSlice(0, 1, torch.tensor(table), 20) for name, table in tables.items()}
+    arena.begin_step(list(seqs.values()))
+    for name, seq in seqs.items():
+        [(_, _, gk, gv)] = arena.gather(1, seq)
+        assert torch.equal(gk, alone[name][0]) and torch.equal(gv, alone[name][1])
+
+
 @pytest.mark.parametrize("codec", ARENA_CODECS)
 def test_swap_copies_are_bit_exact_open_block_included(codec):
     arena = make_arena(LAYOUT, 8 * LAYOUT.block_bytes, codec, max_open_blocks=1)

@@ -213,18 +213,25 @@ class QuantArena:
 
     def begin_step(self, seqs: list) -> None:
         """Plan the step's gathers: the union of the blocks the sequences read dequantized (decoded once per
-        layer, not once per sequence) and each sequence's rows in it."""
+        layer, not once per sequence), in first-use order, and where each sequence's blocks sit in it — a
+        token range when they are consecutive there (no copy: the usual case), else row indices."""
         t = self.layout.block_tokens
-        tables = {id(seq): self._dequantized_blocks(seq) for seq in seqs}
-        union = sorted({b for table in tables.values() for b in table})
-        slot = {b: i for i, b in enumerate(union)}
+        slot: dict[int, int] = {}
         rows = {}
         for seq in seqs:
-            table = tables[id(seq)]
-            blocks = torch.tensor([slot[b] for b in table], dtype=torch.long)
+            table = self._dequantized_blocks(seq)
+            for b in table:
+                slot.setdefault(b, len(slot))
+            slots = [slot[b] for b in table]
+            first = slots[0] if slots else 0
+            if slots == list(range(first, first + len(slots))):
+                where = (first * t, len(slots) * t)
+            else:
+                blocks = torch.tensor(slots, dtype=torch.long)
+                where = (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device)
             # the plan holds `seq` itself, so its id cannot be reused by another object during the step
-            rows[id(seq)] = (seq, (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device))
-        self._plan = (torch.tensor(union, dtype=torch.long, device=self.device), rows)
+            rows[id(seq)] = (seq, where)
+        self._plan = (torch.tensor(list(slot), dtype=torch.long, device=self.device), rows)
         self._decoded = {}
 
     def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
@@ -237,9 +244,12 @@ class QuantArena:
         if layer not in self._decoded:  # after this layer's writes: this step's tokens included
             union = self._plan[0]
             self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
-        rows = self._plan[1][id(seq)][1]
+        where = self._plan[1][id(seq)][1]
         k_union, v_union = self._decoded[layer]
-        k_full, v_full = k_union.index_select(1, rows), v_union.index_select(1, rows)  # [H, blocks × T, D]
+        if isinstance(where, tuple):  # [H, blocks × T, D]
+            k_full, v_full = k_union.narrow(1, *where), v_union.narrow(1, *where)
+        else:
+            k_full, v_full = k_union.index_select(1, where), v_union.index_select(1, where)
         t, context = self.layout.block_tokens, seq.context_tokens
         num_q = seq.q_end - seq.q_start
         if not self.kivi:
