@@ -33,6 +33,17 @@ def test_quantized_resident_system_serves_every_turn():
     assert r["same_text_as_generate"]  # int8 per token keeps every greedy token on the tiny model
 
 
+def test_plot_is_a_png_with_one_bar_group_per_system(tmp_path):
+    from kvtier.bench.serve import plot
+
+    rows = [dict(system=name, ttft_p50_s=p50, ttft_p99_s=2 * p50, tokens_per_s=tps, failed=failed)
+            for name, p50, tps, failed in [("generate", 10.0, 5.0, 0), ("kvtier", 4.0, 9.0, 0),
+                                           ("device-prefix", 8.0, 6.0, 1)]]
+    path = tmp_path / "serve.png"
+    plot(rows, path, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
 def test_system_names():
     assert engine_system("kvtier") == (True, "swap", "raw")
     assert engine_system("kvtier-int4") == (True, "swap", "int4")

@@ -402,7 +402,8 @@ def add_command(bench) -> None:
               trace_requests_: int = typer.Option(32, "--trace-requests", min=1, help="mooncake: N requests"),
               trace_start: int = typer.Option(0, min=0, help="mooncake: the first request replayed (its index)"),
               trace_block_tokens: int = typer.Option(16, min=1, help="mooncake: tokens per 512-token trace block"),
-              time_scale: float = typer.Option(1.0, help="mooncake: arrival time = trace timestamp x this")) -> None:
+              time_scale: float = typer.Option(1.0, help="mooncake: arrival time = trace timestamp x this"),
+              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system")) -> None:
         """Multi-turn chat (or the Mooncake trace): kvtier with tiers vs device-only prefix cache +
         recompute vs plain generate."""
         import json
@@ -427,6 +428,9 @@ def add_command(bench) -> None:
                              block_tokens=block_tokens, dram=dram, systems=names)
         else:
             raise UserError(f"unknown workload {workload!r}: use chat or mooncake")
+        if plot_path:
+            plot(rows, plot_path, f"kvtier bench serve --workload {workload} (SmolLM2 on this machine)"
+                 if model == "smollm2" else f"kvtier bench serve --workload {workload} --model {model}")
         if json_out:
             print(json.dumps(rows))
             return
@@ -448,6 +452,35 @@ def render(rows: list[dict]) -> str:
                      f"{r['itl_mean_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} s | "
                      f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | {same} |")
     return "\n".join(lines)
+
+
+def plot(rows: list[dict], path, title: str) -> None:
+    """Two panels per system: TTFT p50 / p99 (s) and tokens/s (failed requests marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [r["system"] for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    ax1.bar(x - 0.2, [r["ttft_p50_s"] for r in rows], 0.4, label="TTFT p50")
+    ax1.bar(x + 0.2, [r["ttft_p99_s"] for r in rows], 0.4, label="TTFT p99")
+    ax1.set_ylabel("seconds")
+    ax1.legend()
+    colors = ["#999" if n == "generate" else ("#2a7" if n.startswith("kvtier") else "#c84") for n in names]
+    ax2.bar(x, [r["tokens_per_s"] for r in rows], color=colors)
+    ax2.set_ylabel("generated tokens / s")
+    for i, r in enumerate(rows):
+        note = f"{r['tokens_per_s']:.1f}" + (f"\n{r['failed']} failed" if r["failed"] else "")
+        ax2.text(i, r["tokens_per_s"], note, ha="center", va="bottom", fontsize=8)
+    for ax in (ax1, ax2):
+        ax.set_xticks(x, names, rotation=15, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
