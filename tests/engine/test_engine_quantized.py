@@ -92,6 +92,24 @@ def test_prefix_from_the_tiers_gives_the_same_tokens(tiny_model, tiny_prompts, a
         manager.close()
 
 
+def test_quantized_and_raw_engines_never_share_blocks(tiny_model, tiny_prompts):
+    # a quantized arena changes the KV itself (later layers attended to quantized KV): other key space
+    layout = tiny_model.kv_layout(BLOCK)
+    manager = build_manager(["dram:1MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    try:
+        run_all(make_engine(tiny_model, 64, "int8", manager), [tiny_prompts[2]])
+        manager.flush()
+        raw = LLMEngine(tiny_model, EngineConfig(device_kv_budget_bytes=64 * layout.block_bytes, block_tokens=BLOCK),
+                        manager)
+        run_all(raw, [tiny_prompts[2]])
+        assert raw.stats().prefix_hit_tokens_by_tier == {}
+        again = make_engine(tiny_model, 64, "int8", manager)
+        run_all(again, [tiny_prompts[2]])
+        assert again.stats().prefix_hit_tokens_by_tier == {"dram": 32}
+    finally:
+        manager.close()
+
+
 def test_unknown_kv_codec_is_refused():
     with pytest.raises(ValueError, match="kv_codec"):
         EngineConfig(kv_codec="int3")
