@@ -197,3 +197,41 @@ def test_smollm2_tiered_equals_dynamic_cache(smollm2, shakespeare_text):
     ids = smollm2.tokenizer(shakespeare_text[:3000], return_tensors="pt").input_ids[:, :600]
     expected = _greedy(smollm2, ids, DynamicCache(config=smollm2.config), n=16)
     assert _greedy(smollm2, ids, TieredCache.for_model(smollm2, block_tokens=256), n=16) == expected
+
+
+# -- quantized resident KV ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_quantized_resident_generates_like_quantized_kv_cache(tiny_model, codec):
+    from kvtier.levers.quantized_cache import QuantizedKVCache
+
+    ids = _prompt(150)
+    expected = _greedy(tiny_model, ids, QuantizedKVCache(tiny_model.config, codec), n=20)
+    cache = TieredCache.for_model(tiny_model, block_tokens=BLOCK, resident_codec=codec)
+    assert _greedy(tiny_model, ids, cache, n=20) == expected
+    raw_bytes = cache.get_seq_length() * tiny_model.kv_layout(BLOCK).bytes_per_token
+    assert cache.resident_bytes < raw_bytes / 2  # 128 of the 169 tokens quantized
+
+
+def test_quantized_resident_prefix_round_trips_through_the_tiers(tmp_path, tiny_model):
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(9 * BLOCK + 5)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, resident_codec="int4")
+    out1 = _greedy(tiny_model, ids, first)
+    stored = first.store(torch.cat([ids[0], torch.tensor(out1)]))
+    assert stored == (9 * BLOCK + 5 + 12 - 1) // BLOCK
+    manager.flush()
+    # a full-precision cache never sees those blocks: their KV is not what it would compute
+    assert TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK).load_prefix(ids) == 0
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, resident_codec="int4")
+    assert second.load_prefix(ids) == 9 * BLOCK
+    for layer_a, layer_b in zip(first.layers, second.layers):  # what attention saw, bit for bit
+        for a, b in zip(layer_a.token_range(0, 9 * BLOCK), layer_b.token_range(0, 9 * BLOCK)):
+            assert torch.equal(a, b)
+    assert len(_greedy(tiny_model, ids, second)) == 12
+    manager.close()
+
+
+def test_quantized_resident_refuses_a_layer_offload_budget(tiny_model):
+    with pytest.raises(ValueError, match="resident_codec"):
+        TieredCache.for_model(tiny_model, block_tokens=BLOCK, resident_codec="int8", device_kv_budget_bytes=1 << 20)

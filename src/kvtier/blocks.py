@@ -83,6 +83,13 @@ class KeySpace:
         return KeySpace(self.model_fingerprint, self.layout, self.codec, namespace)
 
 
+def key_codec(tier_codec: str, resident_codec: str = "raw") -> str:
+    """The `KeySpace.codec` of blocks written through `tier_codec` by a cache whose resident KV is in
+    `resident_codec`. A quantized resident format changes the KV itself (every later layer and token
+    attended to quantized KV), so its blocks must never meet those of a full-precision cache."""
+    return tier_codec if resident_codec == "raw" else f"{tier_codec}/resident-{resident_codec}"
+
+
 def chain_key(parent_key: bytes, block_token_ids: Sequence[int] | np.ndarray) -> bytes:
     """H(parent_key, token ids); token ids are hashed as little-endian int64."""
     assert len(parent_key) == KEY_BYTES, len(parent_key)

@@ -72,7 +72,8 @@ class _FirstTokenTimer:
 
 
 def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw",
-                 device_kv_budget_bytes: int | None = None, block_tokens: int = 256) -> GenerateResult:
+                 device_kv_budget_bytes: int | None = None, block_tokens: int = 256,
+                 kv_codec: str = "raw") -> GenerateResult:
     """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""
     import torch
 
@@ -82,7 +83,7 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
     ids = torch.tensor([prompt_ids], device=device)
     start = time.perf_counter()
     cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens,
-                                  device_kv_budget_bytes=device_kv_budget_bytes)
+                                  device_kv_budget_bytes=device_kv_budget_bytes, resident_codec=kv_codec)
     cached = cache.load_prefix(ids, reserve_tokens=max_new_tokens)
     timer = _FirstTokenTimer()
     with torch.inference_mode():
@@ -128,6 +129,8 @@ def register(app: typer.Typer) -> None:
         pool_url: str = typer.Option(None, help="mooncake master host:port or redis://host:port/db"),
         codec: str = typer.Option("raw", help="raw, fp8, int8, int4, int2, optionally +zstd"),
         device_kv_budget: str = typer.Option(None, help="device KV budget, e.g. 256MiB; the rest lives on the host"),
+        kv_codec: str = typer.Option("raw", help="resident KV format: raw, or fp8/int8/int4/int2 (KIVI, a "
+                                                 "128-token exact residual; not with --device-kv-budget)"),
         block_tokens: int = typer.Option(256, min=1),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -138,6 +141,8 @@ def register(app: typer.Typer) -> None:
 
         if (prompt is None) == (prompt_file is None):
             raise UserError("give exactly one of --prompt or --prompt-file")
+        if kv_codec != "raw" and device_kv_budget:
+            raise UserError("--kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine")
         text = prompt if prompt is not None else prompt_file.read_text()
         loaded = models.load(model)
         if loaded.tokenizer is None:
@@ -150,7 +155,8 @@ def register(app: typer.Typer) -> None:
                                 slot_bytes=get_codec(codec).max_encoded_bytes(layout))
         try:
             result = run_generate(loaded, manager, loaded.tokenizer(text).input_ids, max_new_tokens=max_new_tokens,
-                                  codec=codec, device_kv_budget_bytes=budget, block_tokens=block_tokens)
+                                  codec=codec, device_kv_budget_bytes=budget, block_tokens=block_tokens,
+                                  kv_codec=kv_codec)
             manager.flush()
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:

@@ -7,13 +7,16 @@ Targets the Cache API of transformers 5.20-5.23 (`Cache(layers=...)` of `CacheLa
     out = model.generate(input_ids, past_key_values=cache, ...)   # computes only the rest
     cache.store(out[0])                                 # new full blocks go down to the tiers
 
-Three things over `DynamicCache`:
+Four things over `DynamicCache`:
 - prefix reuse across requests and processes (blocks keyed by `kvtier.blocks`, bytes by `kvtier.codecs`);
 - in-place growth with capacity doubling, so a decode step copies one token's KV, not the whole
   cache (`DynamicLayer` re-concatenates every layer on every step);
 - a device byte budget: layers past the budget keep their KV in (pinned) host memory and are
   streamed back layer by layer, the next layer's copy overlapping the current layer's compute
-  on a side CUDA stream (the peer is `DynamicCache(offloading=True)`, which moves every layer).
+  on a side CUDA stream (the peer is `DynamicCache(offloading=True)`, which moves every layer);
+- optionally quantized resident KV (`resident_codec`: fp8, int8, KIVI int4/int2, the layers of
+  `levers.quantized_cache` with their full-precision residual), whose blocks go to the tiers as
+  attention sees them, in a key space of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeySpace, KVLayout, block_keys
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeySpace, KVLayout, block_keys, key_codec
 from kvtier.codecs import get_codec
 
 _MIN_CAPACITY_TOKENS = 256
@@ -159,7 +162,8 @@ class TieredCache(Cache):
 
     def __init__(self, config, manager=None, *, model_fingerprint: str, codec: str = "raw",
                  namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 device_kv_budget_bytes: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 device_kv_budget_bytes: int | None = None, dtype: torch.dtype = torch.float32,
+                 resident_codec: str = "raw") -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types) or getattr(text_config, "sliding_window", None) \
@@ -169,13 +173,14 @@ class TieredCache(Cache):
 
         self.layout: KVLayout = kv_layout(text_config, block_tokens, dtype)
         self.codec = get_codec(codec)
-        self.space = KeySpace(model_fingerprint, self.layout, self.codec.name, namespace)
+        self.resident_codec = resident_codec
+        self.space = KeySpace(model_fingerprint, self.layout, key_codec(self.codec.name, resident_codec), namespace)
         self.manager = manager
         self.device_kv_budget_bytes = device_kv_budget_bytes
         self.prefix = PrefixStats()
         self._num_stored_blocks = 0
         self._prefetch_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        super().__init__(layers=[TieredLayer() for _ in range(self.layout.num_layers)])
+        super().__init__(layers=_layers(self.layout.num_layers, resident_codec, device_kv_budget_bytes))
 
     @classmethod
     def for_model(cls, loaded, manager=None, **kwargs) -> "TieredCache":
@@ -185,11 +190,15 @@ class TieredCache(Cache):
 
     # -- the Cache hot path -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self._prefetch_stream is not None:
+        if self._prefetch_stream is not None and not self.quantized:
             torch.cuda.current_stream(key_states.device).wait_stream(self._prefetch_stream)
             self._prefetch_next(layer_idx, key_states.device)
         self._apply_budget(layer_idx, key_states)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    @property
+    def quantized(self) -> bool:
+        return self.resident_codec != "raw"
 
     def _prefetch_next(self, layer_idx: int, device: torch.device) -> None:
         next_idx = layer_idx + 1 if layer_idx + 1 < len(self.layers) else 0
@@ -212,15 +221,15 @@ class TieredCache(Cache):
 
     @property
     def resident_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if not layer.offloaded)
+        return sum(layer.nbytes() for layer in self.layers if not getattr(layer, "offloaded", False))
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if layer.offloaded)
+        return sum(layer.nbytes() for layer in self.layers if getattr(layer, "offloaded", False))
 
     @property
     def num_offloaded_layers(self) -> int:
-        return sum(layer.offloaded for layer in self.layers)
+        return sum(getattr(layer, "offloaded", False) for layer in self.layers)
 
     # -- prefix reuse ---------------------------------------------------------------------------
     def load_prefix(self, input_ids: torch.Tensor, *, reserve_tokens: int = 0) -> int:
@@ -259,6 +268,11 @@ class TieredCache(Cache):
         device = self._compute_device()
         num_tokens = sum(block.shape[3] for block in blocks)
         _, _, h, _, d = blocks[0].shape
+        if self.quantized:  # the layers quantize whole groups as they take them; the rest stays exact
+            for layer_idx, layer in enumerate(self.layers):
+                kv = [block[layer_idx].to(device=device, dtype=self.layout_dtype) for block in blocks]
+                layer.extend(torch.cat([b[0] for b in kv], dim=1)[None], torch.cat([b[1] for b in kv], dim=1)[None])
+            return
         for layer_idx, layer in enumerate(self.layers):
             like = torch.empty((1, h, num_tokens, d), dtype=self.layout_dtype, device="meta")
             self._apply_budget(layer_idx, like)
@@ -307,5 +321,21 @@ class TieredCache(Cache):
         """The KV of one block, [L, 2, H, T, D], on the CPU (for a codec)."""
         start = block_idx * self.layout.block_tokens
         end = start + self.layout.block_tokens
-        per_layer = [torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]]) for layer in self.layers]
+        if self.quantized:
+            per_layer = [torch.stack([kv[0] for kv in layer.token_range(start, end)]) for layer in self.layers]
+        else:
+            per_layer = [torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]])
+                         for layer in self.layers]
         return torch.stack(per_layer).cpu()
+
+
+def _layers(num_layers: int, resident_codec: str, device_kv_budget_bytes: int | None) -> list:
+    if resident_codec == "raw":
+        return [TieredLayer() for _ in range(num_layers)]
+    if device_kv_budget_bytes is not None:
+        raise ValueError("a device KV budget (layer offload) works on full-precision layers: use "
+                         "resident_codec='raw' with it, or a quantized resident format without it")
+    from kvtier.levers.quantized_cache import QuantizedKVLayer, codec_quantizer
+
+    quantizer = codec_quantizer(resident_codec)
+    return [QuantizedKVLayer(quantizer) for _ in range(num_layers)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.blocks import KeySpace
+from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
 from kvtier.engine.arena import ARENA_CODECS, make_arena
 from kvtier.engine.block_manager import BlockManager
@@ -90,7 +90,7 @@ class LLMEngine:
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.num_blocks)
         self.runner = ModelRunner(loaded.model, self.layout, self.arena)
-        space = KeySpace(loaded.fingerprint, self.layout, _key_codec(self.codec.name, config.kv_codec))
+        space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
         self.scheduler = Scheduler(
             self.block_manager, space,
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
@@ -227,12 +227,6 @@ class LLMEngine:
             for output in self.step():
                 generated[output.request_id] += output.new_token_ids
         return [generated[request_id] for request_id in ids]
-
-
-def _key_codec(tier_codec: str, kv_codec: str) -> str:
-    """The codec part of the blocks' key space. A quantized resident arena changes the KV itself (every
-    later layer and token attended to quantized KV), so its blocks must never meet a raw engine's."""
-    return tier_codec if kv_codec == "raw" else f"{tier_codec}/resident-{kv_codec}"
 
 
 def _require_full_attention(config) -> None:

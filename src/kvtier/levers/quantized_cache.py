@@ -98,6 +98,27 @@ class QuantizedKVLayer(DynamicLayer):
         self.keys, self.values = residual_keys[..., num_flushed:, :], residual_values[..., num_flushed:, :]
         return keys, values
 
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append KV [B, H, n, D] (e.g. a prefix loaded from the tiers) without an attention pass."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        residual_keys = torch.cat([self.keys, keys], dim=-2)
+        residual_values = torch.cat([self.values, values], dim=-2)
+        new_blocks, num_flushed = self._full_blocks(residual_keys, residual_values)
+        self.blocks += new_blocks
+        self.keys, self.values = residual_keys[..., num_flushed:, :], residual_values[..., num_flushed:, :]
+
+    def token_range(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, end - start, D] of those tokens as attention sees them (quantized blocks
+        dequantized, the residual exact)."""
+        r = self.residual_tokens
+        first, last = start // r, min(-(-end // r), len(self.blocks))
+        parts = [dequantize_block(self.blocks[i], self.quantizer, self.dtype) for i in range(first, last)]
+        keys = torch.cat([k for k, _ in parts] + [self.keys], dim=-2)
+        values = torch.cat([v for _, v in parts] + [self.values], dim=-2)
+        offset = start - first * r
+        return keys[..., offset:offset + end - start, :], values[..., offset:offset + end - start, :]
+
     def _full_blocks(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[list[QuantizedBlock], int]:
         r = self.residual_tokens
         num_flushed = keys.shape[-2] // r * r
