@@ -104,7 +104,8 @@ def test_metrics_and_dashboard(tiny_server):
     text = httpx.get(url + "/metrics").text
     for name in ("kvtier_time_to_first_token_seconds_count", "kvtier_inter_token_latency_seconds_bucket",
                  'kvtier_tier_hits_total{tier="dram"}', "kvtier_requests_running", "kvtier_device_blocks_total 96.0",
-                 'kvtier_requests_finished_total{finish_reason="length"}', "kvtier_prefix_hit_tokens_total"):
+                 'kvtier_requests_finished_total{finish_reason="length"}', "kvtier_prefix_hit_tokens_total",
+                 'kvtier_device_kv_codec{kv_codec="raw"} 1.0', "kvtier_device_block_bytes"):
         assert name in text, name
     ttft_count = [line for line in text.splitlines() if line.startswith("kvtier_time_to_first_token_seconds_count")]
     assert float(ttft_count[0].split()[-1]) >= 1
@@ -113,6 +114,7 @@ def test_metrics_and_dashboard(tiny_server):
     data = httpx.get(url + "/dashboard/data").json()
     assert data["model"] == "tiny" and [t["name"] for t in data["tiers"]] == ["dram"]
     assert data["engine"]["num_device_blocks_total"] == 96 and data["requests"]["finished"] >= 1
+    assert data["engine"]["kv_codec"] == "raw" and data["engine"]["device_block_bytes"] > 0
 
 
 def test_client_disconnect_mid_stream_aborts_only_that_request(tiny_server):
@@ -155,3 +157,20 @@ def test_chat_without_max_tokens_is_bounded_by_the_budget(tiny_server):
     assert r.status_code == 200
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 512
+
+
+def test_int8_resident_server_answers_like_the_raw_one(tiny_server, tiny_model):
+    from server_support import BLOCK, running, tiny_app
+
+    from kvtier.engine.arena import arena_block_bytes
+
+    url, _ = tiny_server
+    layout = tiny_model.kv_layout(BLOCK)
+    body = {"model": "tiny", "prompt": "Now is the winter of our discontent", "max_tokens": 12, "temperature": 0}
+    expected = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    with running(tiny_app(tiny_model, kv_codec="int8")) as int8_url:
+        assert post(int8_url, "/v1/completions", body).json()["choices"][0]["text"] == expected
+        metrics = httpx.get(int8_url + "/metrics").text
+        assert 'kvtier_device_kv_codec{kv_codec="int8"} 1.0' in metrics
+        # the raw server's 96 blocks' bytes, cut into int8 block slots: 3.2x as many
+        assert f"kvtier_device_blocks_total {96 * layout.block_bytes // arena_block_bytes(layout, 'int8')}.0" in metrics

@@ -73,6 +73,8 @@ class EngineStats:
     num_preemptions: int
     num_blocks_written_to_tiers: int
     prefix_hit_tokens_by_tier: dict[str, int]
+    kv_codec: str = "raw"           # the device arena's format
+    device_block_bytes: int = 0     # bytes of one device block slot in that format
 
 
 class LLMEngine:
@@ -215,7 +217,7 @@ class LLMEngine:
         s, bm = self.scheduler, self.block_manager
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), bm.num_used_blocks,
                            len(bm.cached_free), bm.num_blocks, s.num_preemptions, self.num_blocks_written_to_tiers,
-                           dict(s.prefix_hit_tokens_by_tier))
+                           dict(s.prefix_hit_tokens_by_tier), self.arena.codec, self.arena.block_bytes)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
         """Run prompts to completion together; the generated token ids of each (offline use, tests)."""

@@ -61,6 +61,8 @@ class EngineView:
     num_device_blocks_total: int = 0
     num_preemptions: int = 0
     prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    kv_codec: str = "raw"
+    device_block_bytes: int = 0
 
 
 def tier_views(manager) -> list[TierView]:
@@ -186,8 +188,14 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
         ("kvtier_device_blocks_cached", "Free device KV blocks still holding a cached prefix block",
          engine.num_device_blocks_cached),
         ("kvtier_device_blocks_total", "Device KV blocks in the budget", engine.num_device_blocks_total),
+        ("kvtier_device_block_bytes", "Bytes of one device KV block slot in the resident format",
+         engine.device_block_bytes),
     ):
         yield GaugeMetricFamily(name, help_, value=value)
+    codec = GaugeMetricFamily("kvtier_device_kv_codec", "The device KV arena's resident format (1 for the one in use)",
+                              labels=["kv_codec"])
+    codec.add_metric([engine.kv_codec], 1.0)
+    yield codec
     yield CounterMetricFamily("kvtier_preemptions", "Sequences preempted", value=engine.num_preemptions)
     hits = CounterMetricFamily("kvtier_prefix_hit_tokens", "Prompt tokens found cached, by where they were found",
                                labels=["tier"])
