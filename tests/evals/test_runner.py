@@ -170,3 +170,19 @@ def test_kvtier_eval_passkey_only_with_a_narrow_snapkv_window(tiny_model, capsys
         assert row["ppl"] is None and row["passkey_acc"] in (0.0, 1.0) and row["error"] is None
     assert rows[1]["compression"] == pytest.approx(2.0, rel=0.05)
     assert Method("snapkv", 0.5, 8).new_cache(tiny_model.model).policy.window_tokens == 8
+
+
+def test_int4_with_128_token_key_groups_counts_its_bytes_by_the_formula(tiny_model):
+    from kvtier.evals.runner import kv_bytes
+
+    cache = Method("int4-g128").new_cache(tiny_model.model)
+    with torch.inference_mode():
+        tiny_model.model(_ids(300), past_key_values=cache, use_cache=True)
+    cfg = tiny_model.config
+    h, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    quantized, residual = 256, 300 - 256   # two full 128-token groups, the rest exact (16-bit)
+    keys = quantized * h * d // 2 + (quantized // 128) * h * d * 4          # codes + fp16 scale, min per channel
+    values = quantized * h * d // 2 + quantized * h * -(-d // 64) * 4      # codes + fp16 scale, min per token
+    per_layer = keys + values + 2 * residual * h * d * 2
+    assert kv_bytes(cache, cfg) == cfg.num_hidden_layers * per_layer
+    assert cache.layers[0].quantizer.group_tokens == 128

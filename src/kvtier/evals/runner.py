@@ -29,9 +29,12 @@ from kvtier.levers.eviction import EvictionCache, EvictionPolicy
 
 SERVED_BYTES_PER_ELEMENT = 2
 QUANT_METHODS = ("fp8", "int8", "int4", "int2")
+# KIVI int4 with 128-token key groups (one group per residual window): 0.547 bytes per element for the
+# blocks (vs 0.5625 with 64-token groups) — the layout that reaches 3.5x at SmolLM2's full 8k context
+WIDE_GROUP_METHODS = {"int4-g128": ("int4", 128)}
 EVICTION_METHODS = eviction.POLICIES
 PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-hqq-int2", "hf-fp8")
-ALL_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, *PEER_METHODS)
+ALL_METHODS = ("raw", *QUANT_METHODS, *WIDE_GROUP_METHODS, *EVICTION_METHODS, *PEER_METHODS)
 DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4",
                    "hf-hqq-int2")
 SNAPKV_WINDOW_TOKENS = eviction.DEFAULT_SNAPKV_WINDOW_TOKENS
@@ -63,6 +66,12 @@ class Method:
             from kvtier.levers.quantized_cache import QuantizedKVCache
 
             return QuantizedKVCache(model.config, self.name)
+        if self.name in WIDE_GROUP_METHODS:
+            from kvtier.codecs.quant import quantizer
+            from kvtier.levers.quantized_cache import QuantizedKVCache
+
+            codec, group_tokens = WIDE_GROUP_METHODS[self.name]
+            return QuantizedKVCache(model.config, codec, quantizer=quantizer(codec, group_tokens=group_tokens))
         if self.name in EVICTION_METHODS:
             window = question_tokens if self.question_window and question_tokens else self.window_tokens
             return EvictionCache.for_model(model, EvictionPolicy(self.name, keep=self.keep, window_tokens=window))
@@ -340,5 +349,6 @@ def _bits_or_budget(method: Method) -> str:
     if method.keep is not None:
         return f"keep {method.keep:.0%}"
     return {"raw": "16-bit", "fp8": "8-bit fp", "int8": "8-bit", "int4": "4-bit", "int2": "2-bit",
+            "int4-g128": "4-bit, 128-token key groups",
             "hf-quanto-int4": "4-bit", "hf-quanto-int2": "2-bit", "hf-hqq-int4": "4-bit", "hf-hqq-int2": "2-bit",
             "hf-fp8": "8-bit fp"}[method.name]
