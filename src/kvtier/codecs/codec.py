@@ -85,7 +85,7 @@ class Codec:
 def _check_kv(kv: torch.Tensor) -> str:
     dtype = str(kv.dtype).removeprefix("torch.")
     if dtype not in header.DTYPE_IDS or kv.dim() != 5 or kv.shape[1] != 2 or kv.numel() == 0:
-        raise ValueError(f"codecs take a non-empty fp32/fp16/bf16 tensor [L, 2, H, T, D], "
+        raise ValueError(f"codecs take a non-empty fp32/fp16/bf16/fp64 tensor [L, 2, H, T, D], "
                          f"got {kv.dtype} {tuple(kv.shape)}")
     return dtype
 

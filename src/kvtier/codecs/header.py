@@ -26,7 +26,7 @@ HEADER_BYTES = _FIELDS.size + _CHECK.size
 assert HEADER_BYTES == 64, HEADER_BYTES
 
 CODEC_IDS = {"raw": 1, "fp8": 2, "int8": 3, "int4": 4, "int2": 5}
-DTYPE_IDS = {"float32": 1, "float16": 2, "bfloat16": 3}
+DTYPE_IDS = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4}  # float64: tests on tiny models
 FLAG_ZSTD = 1
 FLAG_STORED = 2
 _ID_TO_CODEC = {v: k for k, v in CODEC_IDS.items()}

@@ -9,7 +9,7 @@ import torch
 from kvtier.codecs.codec import frombuffer
 from kvtier.codecs.header import Header
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 class RawScheme:
