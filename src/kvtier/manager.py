@@ -83,11 +83,20 @@ class TierManager:
             return fallback
 
     # -- reads -----------------------------------------------------------------------------------
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether some usable tier holds each key (asked top-down, each tier only for what is missing)."""
+        return [holder is not None for holder in self._holder_of_each(keys)]
+
     def _holders(self, keys: list[bytes]) -> list[int]:
         """For the longest prefix of `keys` held anywhere: the index of the top tier holding each.
 
         Tiers are asked top-down, each only for the keys the tiers above do not hold, so a prefix
         that is all in DRAM never touches (or waits for) the SSD or the pool."""
+        holder = self._holder_of_each(keys)
+        end = holder.index(None) if None in holder else len(keys)
+        return holder[:end]
+
+    def _holder_of_each(self, keys: list[bytes]) -> list[int | None]:
         usable = self._usable()
         holder: list[int | None] = [None] * len(keys)
         missing = list(range(len(keys)))
@@ -102,8 +111,7 @@ class TierManager:
                 if held:
                     holder[i] = idx
             missing = [i for i in missing if holder[i] is None]
-        end = missing[0] if missing else len(keys)
-        return holder[:end]
+        return holder
 
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tier name of each block of the longest prefix of `keys` held anywhere."""

@@ -105,9 +105,11 @@ def test_kivi_keeps_the_open_block_exact_and_seals_full_blocks(codec):
     for p in range(21):  # one token per step, all layers
         for layer in range(L):
             _write(arena, layer, table, p, k[p:p + 1], v[p:p + 1])
-        if p == T - 1:  # the token that fills block 0 still attends to it exactly; the block is sealed
-            gk, _ = _gather(arena, 0, table, T)
+        if p == T - 1:  # the token that fills block 0 still attends to it exactly (at the layer being
+            # computed: earlier layers' exact copies are already dropped); the block is sealed
+            gk, _ = _gather(arena, L - 1, table, T)
             assert torch.equal(gk, k[:T].transpose(0, 1))
+            assert arena.staging[3][0] is None
             sealed_keys = arena.block_tensor(3)[0, 0]
             assert torch.equal(sealed_keys, quant.dequantize(quant.quantize_kivi_keys(k[:T].transpose(0, 1), bits, T)))
         arena.end_step()
@@ -131,6 +133,12 @@ def test_kivi_prefill_sees_the_same_kv_however_it_is_chunked():
     table = torch.tensor([0, 1, 2])
     groups = chunked.gather(0, SeqSlice(0, 20, table, 20))
     assert [(lo, hi) for lo, hi, _, _ in groups] == [(0, 8), (8, 16), (16, 20)]
+    # the transient cost of the chunk: blocks it filled keep an exact copy of the current layer only
+    _write(chunked, 1, [0, 1, 2], 0, k, v)
+    assert [x is None for x in chunked.staging[0]] == [True, False] == [x is None for x in chunked.staging[1]]
+    assert all(x is not None for x in chunked.staging[2])  # the open block: every layer, until it fills
+    chunked.end_step()
+    assert set(chunked.staging) == {2}
     stepped = make_arena(LAYOUT, 8 * LAYOUT.block_bytes, "int4", max_open_blocks=1)
     for p in range(20):
         _write(stepped, 0, [0, 1, 2], p, k[p:p + 1], v[p:p + 1])
@@ -211,6 +219,36 @@ def test_requantizing_a_dequantized_block_gives_it_back(codec):
         once = arena.block_tensor(0)
         arena.write_block(1, once)
         assert torch.equal(arena.block_tensor(1), once)
+
+
+def test_kivi_with_a_head_dim_that_is_not_a_multiple_of_the_value_group():
+    # head_dim 96 (Phi-2 / Phi-3-mini): values per token in groups of 64 channels, the last one padded
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=96, dtype="float32", block_tokens=4)
+    arena = make_arena(layout, 8 * layout.block_bytes, "int4", max_open_blocks=1)
+    assert sum(t.nbytes for t in arena.parts.values()) == arena.num_blocks * arena.block_bytes
+    gen = torch.Generator().manual_seed(8)
+    k, v = torch.randn(6, 2, 96, generator=gen), torch.randn(6, 2, 96, generator=gen)
+    pos = torch.arange(6)
+    arena.write(0, torch.tensor([3, 3, 3, 3, 5, 5]), pos % 4, k, v)
+    table = torch.tensor([3, 5])
+    [(_, _, gk, gv)] = arena.gather(0, SeqSlice(0, 1, table, 6))
+    assert torch.equal(gv[:, :4], quant.dequantize(quant.quantize_kivi_values(v[:4].transpose(0, 1), 4, 64)))
+    assert torch.equal(gk[:, :4], quant.dequantize(quant.quantize_kivi_keys(k[:4].transpose(0, 1), 4, 4)))
+    assert torch.equal(gk[:, 4:], k[4:].transpose(0, 1))
+
+
+def test_a_step_that_failed_half_way_does_not_seal_the_next_owners_block():
+    arena = make_arena(LAYOUT, 8 * LAYOUT.block_bytes, "int4", max_open_blocks=1)
+    k, v = _tokens(12, seed=9)
+    arena.begin_step([])
+    _write(arena, 0, [0], 0, k[:T], v[:T])  # fills block 0 at layer 0; the forward then fails: no end_step
+    for p in range(3):  # block 0 goes to a new sequence, which writes it token by token over two steps
+        arena.begin_step([])
+        for layer in range(L):
+            _write(arena, layer, [0], p, k[T + p:T + p + 1], v[T + p:T + p + 1])
+        arena.end_step()
+    gk, gv = _gather(arena, 1, [0], 3)
+    assert torch.equal(gk, k[T:T + 3].transpose(0, 1)) and torch.equal(gv, v[T:T + 3].transpose(0, 1))
 
 
 def test_unknown_codec_and_nan_are_refused():

@@ -135,6 +135,24 @@ def test_blocks_reach_the_tiers_when_full_or_when_evicted(tiny_model, tiny_promp
         manager.close()
 
 
+def test_blocks_the_tiers_dropped_are_written_again(tiny_model, tiny_prompts, refs):
+    layout = tiny_model.kv_layout(BLOCK)
+    slot = get_codec("raw").max_encoded_bytes(layout)
+    manager = build_manager([f"dram:{4 * slot}"], slot_bytes=slot)  # room for 4 blocks only
+    try:
+        engine = make_engine(tiny_model, 64, manager)
+        assert run_all(engine, [tiny_prompts[2]]) == [refs[2]]
+        full_blocks = (len(tiny_prompts[2]) + NEW - 1) // BLOCK
+        assert engine.stats().num_blocks_written_to_tiers == full_blocks  # DRAM kept the last 4
+        manager.flush()
+        keys = [key for key, _ in engine.block_manager.cached_blocks()]
+        assert sum(manager.contains_many(keys)) == 4
+        engine.flush_to_tiers()  # the device still holds all: the dropped ones go down again, and only those
+        assert engine.stats().num_blocks_written_to_tiers == full_blocks + (full_blocks - 4)
+    finally:
+        manager.close()
+
+
 def test_no_prefix_caching_never_hits(tiny_model, tiny_prompts, refs):
     engine = make_engine(tiny_model, 64, prefix_caching=False)
     assert run_all(engine, [tiny_prompts[2], tiny_prompts[2]]) == [refs[2], refs[2]]

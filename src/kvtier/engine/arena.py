@@ -67,13 +67,14 @@ def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...
     if codec == "int8":
         half = {"codes": ((t, d), torch.uint8), "scale": ((t, 1), torch.float16), "zero": ((t, 1), torch.float16)}
         return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
-    groups = -(-d // min(_KIVI_GROUP, d))
+    group = min(_KIVI_GROUP, d)
+    groups = -(-d // group)  # a head_dim that is not a multiple of the group is padded to whole groups
     return {
         # keys per channel over the block's tokens: the codes of [T, D] in order, bit-packed
         "k_codes": ((quant.packed_bytes(t * d, bits),), torch.uint8),
         "k_scale": ((1, d), torch.float16), "k_zero": ((1, d), torch.float16),
         # values per token, groups of 64 channels
-        "v_codes": ((t, d * bits // 8), torch.uint8),
+        "v_codes": ((t, quant.packed_bytes(groups * group, bits)), torch.uint8),
         "v_scale": ((t, groups), torch.float16), "v_zero": ((t, groups), torch.float16),
     }
 
@@ -169,13 +170,15 @@ class QuantArena:
         self.kivi = codec in ("int4", "int2")
         self.bits = None if codec == "fp8" else int(codec[3:])
         h, t, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
-        if self.kivi and d * self.bits % 8:
+        if self.kivi and (d * self.bits % 8 or min(_KIVI_GROUP, d) * self.bits % 8):
             raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
         self.group = min(_KIVI_GROUP, d) if self.kivi else d
         self.parts = {name: torch.zeros((layout.num_layers, h, num_blocks, *shape), dtype=dtype, device=device)
                       for name, (shape, dtype) in _parts(codec, h, t, d).items()}
-        # KIVI: block id -> [L, 2, H, T, D] full-precision KV of a block still being filled
-        self.staging: dict[int, torch.Tensor] = {}
+        # KIVI: block id -> per layer, [2, H, T, D] full-precision KV of a block still being filled (a block
+        # filled within a step keeps only the layer being computed: the transient cost of a prefill chunk is
+        # one layer of its blocks, not all of them)
+        self.staging: dict[int, list[torch.Tensor | None]] = {}
         self._sealing: set[int] = set()
         self._plan: tuple[torch.Tensor, dict[int, tuple]] | None = None  # see begin_step
         self._decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}       # layer -> the union, decoded
@@ -197,14 +200,17 @@ class QuantArena:
             return
         t = self.layout.block_tokens
         ids = block_ids.tolist()
+        if layer > 0:  # blocks sealed this step: the previous layer's gathers are done, its exact copy is not needed
+            for block_id in self._sealing:
+                self.staging[block_id][layer - 1] = None
         for block_id in dict.fromkeys(ids):
-            if block_id not in self.staging:
-                self.staging[block_id] = torch.empty((self.layout.num_layers, 2, *self._block_half()),
-                                                     dtype=self.dtype, device=self.device)
+            layers = self.staging.setdefault(block_id, [None] * self.layout.num_layers)
+            if layers[layer] is None:
+                layers[layer] = torch.empty((2, *self._block_half()), dtype=self.dtype, device=self.device)
         for i, (block_id, offset) in enumerate(zip(ids, offsets.tolist())):
-            staged = self.staging[block_id]
-            staged[layer, 0, :, offset] = keys[i]
-            staged[layer, 1, :, offset] = values[i]
+            staged = self.staging[block_id][layer]
+            staged[0, :, offset] = keys[i]
+            staged[1, :, offset] = values[i]
             if offset == t - 1:
                 self._sealing.add(block_id)
         full = [b for b in dict.fromkeys(ids) if b in self._sealing]
@@ -212,9 +218,15 @@ class QuantArena:
             self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
 
     def begin_step(self, seqs: list) -> None:
-        """Plan the step's gathers: the union of the blocks the sequences read dequantized (decoded once per
-        layer, not once per sequence), in first-use order, and where each sequence's blocks sit in it — a
-        token range when they are consecutive there (no copy: the usual case), else row indices."""
+        """A new step: nothing is being sealed (a step that failed half-way left no end_step), and the
+        gathers of `seqs` are planned."""
+        self._sealing.clear()
+        self._make_plan(seqs)
+
+    def _make_plan(self, seqs: list) -> None:
+        """The union of the blocks the sequences read dequantized (decoded once per layer, not once per
+        sequence), in first-use order, and where each sequence's blocks sit in it — a token range when
+        they are consecutive there (no copy: the usual case), else row indices."""
         t = self.layout.block_tokens
         slot: dict[int, int] = {}
         rows = {}
@@ -240,7 +252,7 @@ class QuantArena:
         blocks < j dequantized and to block j exact (its staging), so a token sees the same KV however
         the prefill was chunked, as when decoding token by token."""
         if self._plan is None or self._plan[1].get(id(seq), (None,))[0] is not seq:
-            self.begin_step([seq])  # a gather outside a planned step (tests, tools)
+            self._make_plan([seq])  # a gather outside the step's plan (tests, tools)
         if layer not in self._decoded:  # after this layer's writes: this step's tokens included
             union = self._plan[0]
             self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
@@ -258,11 +270,11 @@ class QuantArena:
         groups, ids = [], seq.index.tolist()
         for j in range(first // t, (context - 1) // t + 1):
             lo, hi = max(first, j * t), min(context, (j + 1) * t)
-            staged = self.staging.get(ids[j])
+            staged = self.staging.get(ids[j], [None] * (layer + 1))[layer]
             if staged is None:  # a block not written this step (not the engine's case): its stored form
                 own_k, own_v = (self._dequantize(kv, layer, seq.index[j:j + 1]) for kv in "kv")
             else:
-                own_k, own_v = staged[layer, 0], staged[layer, 1]
+                own_k, own_v = staged[0], staged[1]
             k = torch.cat([k_full[:, :j * t], own_k[:, :hi - j * t]], dim=1)
             v = torch.cat([v_full[:, :j * t], own_v[:, :hi - j * t]], dim=1)
             groups.append((lo - first, hi - first, k, v))
@@ -290,7 +302,8 @@ class QuantArena:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         parts = {name: p.index_select(2, index).to("cpu") for name, p in self.parts.items()}
         # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
-        staging = {i: self.staging[b].to("cpu", copy=True) for i, b in enumerate(block_ids) if b in self.staging}
+        staging = {i: torch.stack(self.staging[b]).to("cpu", copy=True) for i, b in enumerate(block_ids)
+                   if b in self.staging and all(x is not None for x in self.staging[b])}
         return QuantCopy(parts, staging)
 
     def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
@@ -300,7 +313,7 @@ class QuantArena:
         for i, block_id in enumerate(block_ids):
             self.staging.pop(block_id, None)
             if i in copy.staging:
-                self.staging[block_id] = copy.staging[i].to(self.device)
+                self.staging[block_id] = list(copy.staging[i].to(self.device).unbind(0))
 
     def block_tensor(self, block_id: int) -> torch.Tensor:
         """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""

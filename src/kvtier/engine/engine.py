@@ -8,7 +8,6 @@ pulls prefix blocks back up from the tiers (`_fetch_prefix`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +21,6 @@ from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 
 _MiB = 1 << 20
-_MAX_REMEMBERED_KEYS = 1 << 20  # ~50 MiB of keys at most
 
 
 @dataclass(slots=True)
@@ -102,8 +100,6 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.num_blocks_written_to_tiers = 0
-        # keys this engine wrote or read from the tiers: an evicted block among them is not written again
-        self._in_tiers: OrderedDict[bytes, None] = OrderedDict()
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -164,34 +160,30 @@ class LLMEngine:
         # may be reallocated in the same step)
         for request_id, block_ids in out.swap_out:
             self._host_kv[request_id] = self.runner.read_blocks(block_ids)
-        self._write_to_tiers(out.evicted)
+        # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
+        self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
         for request_id, block_ids in out.swap_in:
             self.runner.write_blocks(block_ids, self._host_kv.pop(request_id))
         for block_id, block in out.loads:
             self.runner.write_block(block_id, block)
 
-    def _write_to_tiers(self, blocks: list[tuple[bytes, int]]) -> None:
-        """Encode device blocks and hand them to the manager (its worker writes them down), once per key."""
-        if self.manager is None:
+    def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
+        """Encode device blocks and hand them to the manager (its worker writes them down). `skip_held`:
+        first ask the tiers, and write only the blocks none of them holds (dropped by a tier's LRU, or a
+        write that never landed: a tier that was down, a full write queue)."""
+        if self.manager is None or not blocks:
             return
-        items = [(key, self.codec.encode(self.runner.block_tensor(block_id)))
-                 for key, block_id in blocks if key not in self._in_tiers]
+        if skip_held:
+            held = self.manager.contains_many([key for key, _ in blocks])
+            blocks = [block for block, is_held in zip(blocks, held) if not is_held]
+        items = [(key, self.codec.encode(self.runner.block_tensor(block_id))) for key, block_id in blocks]
         if items:
             self.manager.put_many(items)
             self.num_blocks_written_to_tiers += len(items)
-            self._remember_in_tiers(key for key, _ in items)
-
-    def _remember_in_tiers(self, keys) -> None:
-        for key in keys:
-            self._in_tiers[key] = None
-            self._in_tiers.move_to_end(key)
-        while len(self._in_tiers) > _MAX_REMEMBERED_KEYS:
-            self._in_tiers.popitem(last=False)
 
     def _fetch_prefix(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[str]]:
         tiers = self.manager.lookup(keys)
         payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
-        self._remember_in_tiers(keys[:len(payloads)])
         return [self.codec.decode(buf) for buf in payloads], tiers[:len(payloads)]
 
     def _output(self, seq: Sequence) -> RequestOutput:
@@ -209,7 +201,7 @@ class LLMEngine:
         if self.manager is None:
             return 0
         before = self.num_blocks_written_to_tiers
-        self._write_to_tiers(self.block_manager.cached_blocks())
+        self._write_to_tiers(self.block_manager.cached_blocks(), skip_held=self.config.tier_writes == "full")
         self.manager.flush()
         return self.num_blocks_written_to_tiers - before
 

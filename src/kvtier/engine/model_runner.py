@@ -29,9 +29,11 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
         """Compute the chunks' tokens; sample a next token for each sequence whose chunk ends its tokens."""
         batch, input_ids, positions, last_rows = self._prepare(chunks)
-        hidden = self.decoder(input_ids=input_ids, position_ids=positions, kvtier_batch=batch,
-                              use_cache=False).last_hidden_state
-        self.arena.end_step()
+        try:
+            hidden = self.decoder(input_ids=input_ids, position_ids=positions, kvtier_batch=batch,
+                                  use_cache=False).last_hidden_state
+        finally:  # also after a failed forward (the server aborts that step's requests and goes on)
+            self.arena.end_step()
         if not last_rows:
             return {}
         logits = self.lm_head(hidden[0, [row for _, row in last_rows]]).float()  # [S, vocab]
