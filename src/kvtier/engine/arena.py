@@ -207,12 +207,19 @@ class QuantArena:
             layers = self.staging.setdefault(block_id, [None] * self.layout.num_layers)
             if layers[layer] is None:
                 layers[layer] = torch.empty((2, *self._block_half()), dtype=self.dtype, device=self.device)
-        for i, (block_id, offset) in enumerate(zip(ids, offsets.tolist())):
-            staged = self.staging[block_id][layer]
-            staged[0, :, offset] = keys[i]
-            staged[1, :, offset] = values[i]
-            if offset == t - 1:
-                self._sealing.add(block_id)
+        # a step writes each sequence's tokens as one run of consecutive offsets per block: one slice copy each
+        offs = offsets.tolist()
+        start = 0
+        while start < len(ids):
+            end = start + 1
+            while end < len(ids) and ids[end] == ids[start] and offs[end] == offs[end - 1] + 1:
+                end += 1
+            staged, first = self.staging[ids[start]][layer], offs[start]
+            staged[0, :, first:first + end - start] = keys[start:end].transpose(0, 1)
+            staged[1, :, first:first + end - start] = values[start:end].transpose(0, 1)
+            if offs[end - 1] == t - 1:
+                self._sealing.add(ids[start])
+            start = end
         full = [b for b in dict.fromkeys(ids) if b in self._sealing]
         if full:
             self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
