@@ -159,18 +159,24 @@ def test_chat_without_max_tokens_is_bounded_by_the_budget(tiny_server):
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 512
 
 
-def test_int8_resident_server_answers_like_the_raw_one(tiny_server, tiny_model):
+def test_int8_resident_server_answers_like_its_engine(tiny_model):
     from server_support import BLOCK, running, tiny_app
 
+    from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
     from kvtier.engine.arena import arena_block_bytes
+    from kvtier.server.tokenizer import ByteTokenizer
 
-    url, _ = tiny_server
     layout = tiny_model.kv_layout(BLOCK)
-    body = {"model": "tiny", "prompt": "Now is the winter of our discontent", "max_tokens": 12, "temperature": 0}
-    expected = post(url, "/v1/completions", body).json()["choices"][0]["text"]
-    with running(tiny_app(tiny_model, kv_codec="int8")) as int8_url:
-        assert post(int8_url, "/v1/completions", body).json()["choices"][0]["text"] == expected
-        metrics = httpx.get(int8_url + "/metrics").text
+    prompt = "Now is the winter of our discontent"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    offline = LLMEngine(tiny_model, EngineConfig(device_kv_budget_bytes=96 * layout.block_bytes, block_tokens=BLOCK,
+                                                 kv_codec="int8"))
+    tok = ByteTokenizer()
+    [expected] = offline.generate([tok.encode(prompt)], SamplingParams(max_tokens=12))
+    with running(tiny_app(tiny_model, kv_codec="int8")) as url:
+        answer = post(url, "/v1/completions", body).json()
+        assert answer["choices"][0]["text"] == tok.decode(expected)
+        metrics = httpx.get(url + "/metrics").text
         assert 'kvtier_device_kv_codec{kv_codec="int8"} 1.0' in metrics
         # the raw server's 96 blocks' bytes, cut into int8 block slots: 3.2x as many
         assert f"kvtier_device_blocks_total {96 * layout.block_bytes // arena_block_bytes(layout, 'int8')}.0" in metrics

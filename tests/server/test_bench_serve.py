@@ -30,7 +30,8 @@ def test_quantized_resident_system_serves_every_turn():
     rows = run(w, model="tiny", device_kv_budget="128KiB", block_tokens=16, systems=("generate", "kvtier-int8"))
     r = rows[1]
     assert r["system"] == "kvtier-int8" and r["requests"] == 4 and r["failed"] == 0
-    assert r["same_text_as_generate"]  # int8 per token keeps every greedy token on the tiny model
+    # (whether its text equals generate's is measured, not asserted: int8 is lossy, and in float32 which
+    # near-tied token flips can depend on the CPU; tests/engine checks int8 against DynamicCache in float64)
 
 
 def test_plot_is_a_png_with_one_bar_group_per_system(tmp_path):
