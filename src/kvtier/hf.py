@@ -221,15 +221,15 @@ class TieredCache(Cache):
 
     @property
     def resident_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if not getattr(layer, "offloaded", False))
+        return sum(layer.nbytes() for layer in self.layers if not _offloaded(layer))
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if getattr(layer, "offloaded", False))
+        return sum(layer.nbytes() for layer in self.layers if _offloaded(layer))
 
     @property
     def num_offloaded_layers(self) -> int:
-        return sum(getattr(layer, "offloaded", False) for layer in self.layers)
+        return sum(_offloaded(layer) for layer in self.layers)
 
     # -- prefix reuse ---------------------------------------------------------------------------
     def load_prefix(self, input_ids: torch.Tensor, *, reserve_tokens: int = 0) -> int:
@@ -327,6 +327,11 @@ class TieredCache(Cache):
             per_layer = [torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]])
                          for layer in self.layers]
         return torch.stack(per_layer).cpu()
+
+
+def _offloaded(layer) -> bool:
+    """Quantized resident layers never offload (a budget and a quantized format do not combine)."""
+    return isinstance(layer, TieredLayer) and layer.offloaded
 
 
 def _layers(num_layers: int, resident_codec: str, device_kv_budget_bytes: int | None) -> list:

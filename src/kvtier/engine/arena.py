@@ -67,7 +67,7 @@ def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...
     if codec == "int8":
         half = {"codes": ((t, d), torch.uint8), "scale": ((t, 1), torch.float16), "zero": ((t, 1), torch.float16)}
         return {f"{kv}_{name}": spec for kv in "kv" for name, spec in half.items()}
-    group = min(_KIVI_GROUP, d)
+    group = _value_group(codec, d)
     groups = -(-d // group)  # a head_dim that is not a multiple of the group is padded to whole groups
     return {
         # keys per channel over the block's tokens: the codes of [T, D] in order, bit-packed
@@ -77,6 +77,11 @@ def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...
         "v_codes": ((t, quant.packed_bytes(groups * group, bits)), torch.uint8),
         "v_scale": ((t, groups), torch.float16), "v_zero": ((t, groups), torch.float16),
     }
+
+
+def _value_group(codec: str, d: int) -> int:
+    """Channels per value scale: the whole head for fp8/int8, KIVI's groups of (at most) 64 for int4/int2."""
+    return min(_KIVI_GROUP, d) if codec in ("int4", "int2") else d
 
 
 class RawArena:
@@ -170,9 +175,9 @@ class QuantArena:
         self.kivi = codec in ("int4", "int2")
         self.bits = None if codec == "fp8" else int(codec[3:])
         h, t, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
-        if self.kivi and (d * self.bits % 8 or min(_KIVI_GROUP, d) * self.bits % 8):
+        self.group = _value_group(codec, d)
+        if self.kivi and (d * self.bits % 8 or self.group * self.bits % 8):
             raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
-        self.group = min(_KIVI_GROUP, d) if self.kivi else d
         self.parts = {name: torch.zeros((layout.num_layers, h, num_blocks, *shape), dtype=dtype, device=device)
                       for name, (shape, dtype) in _parts(codec, h, t, d).items()}
         # KIVI: block id -> per layer, [2, H, T, D] full-precision KV of a block still being filled (a block
@@ -200,10 +205,11 @@ class QuantArena:
             return
         t = self.layout.block_tokens
         ids = block_ids.tolist()
+        touched = list(dict.fromkeys(ids))
         if layer > 0:  # blocks sealed this step: the previous layer's gathers are done, its exact copy is not needed
             for block_id in self._sealing:
                 self.staging[block_id][layer - 1] = None
-        for block_id in dict.fromkeys(ids):
+        for block_id in touched:
             layers = self.staging.setdefault(block_id, [None] * self.layout.num_layers)
             if layers[layer] is None:
                 layers[layer] = torch.empty((2, *self._block_half()), dtype=self.dtype, device=self.device)
@@ -220,7 +226,7 @@ class QuantArena:
             if offs[end - 1] == t - 1:
                 self._sealing.add(ids[start])
             start = end
-        full = [b for b in dict.fromkeys(ids) if b in self._sealing]
+        full = [b for b in touched if b in self._sealing]
         if full:
             self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
 
@@ -238,7 +244,8 @@ class QuantArena:
         slot: dict[int, int] = {}
         rows = {}
         for seq in seqs:
-            table = self._dequantized_blocks(seq)
+            ids = seq.index.tolist()
+            table = ids[:(seq.context_tokens - 1) // t] if self.kivi else ids  # KIVI: the last block is exact
             for b in table:
                 slot.setdefault(b, len(slot))
             slots = [slot[b] for b in table]
@@ -249,7 +256,7 @@ class QuantArena:
                 blocks = torch.tensor(slots, dtype=torch.long)
                 where = (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device)
             # the plan holds `seq` itself, so its id cannot be reused by another object during the step
-            rows[id(seq)] = (seq, where)
+            rows[id(seq)] = (seq, where, ids)
         self._plan = (torch.tensor(list(slot), dtype=torch.long, device=self.device), rows)
         self._decoded = {}
 
@@ -263,7 +270,7 @@ class QuantArena:
         if layer not in self._decoded:  # after this layer's writes: this step's tokens included
             union = self._plan[0]
             self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
-        where = self._plan[1][id(seq)][1]
+        _, where, ids = self._plan[1][id(seq)]
         k_union, v_union = self._decoded[layer]
         if isinstance(where, tuple):  # [H, blocks × T, D]
             k_full, v_full = k_union.narrow(1, *where), v_union.narrow(1, *where)
@@ -274,10 +281,11 @@ class QuantArena:
         if not self.kivi:
             return [(0, num_q, k_full[:, :context], v_full[:, :context])]
         first = context - num_q                      # position of the first query
-        groups, ids = [], seq.index.tolist()
+        groups = []
         for j in range(first // t, (context - 1) // t + 1):
             lo, hi = max(first, j * t), min(context, (j + 1) * t)
-            staged = self.staging.get(ids[j], [None] * (layer + 1))[layer]
+            layers = self.staging.get(ids[j])
+            staged = layers[layer] if layers is not None else None
             if staged is None:  # a block not written this step (not the engine's case): its stored form
                 own_k, own_v = (self._dequantize(kv, layer, seq.index[j:j + 1]) for kv in "kv")
             else:
@@ -286,11 +294,6 @@ class QuantArena:
             v = torch.cat([v_full[:, :j * t], own_v[:, :hi - j * t]], dim=1)
             groups.append((lo - first, hi - first, k, v))
         return groups
-
-    def _dequantized_blocks(self, seq) -> list[int]:
-        """The blocks of `seq` read from their stored form: all (per token), or those before the last (KIVI)."""
-        table = seq.index.tolist()
-        return table[:(seq.context_tokens - 1) // self.layout.block_tokens] if self.kivi else table
 
     def end_step(self) -> None:
         """Every layer of the blocks filled this step is sealed: drop their staging."""

@@ -3,8 +3,9 @@
 The engine runs one flat batch per step: the new tokens of every scheduled sequence concatenated
 into `[1, N]`. Each attention layer calls `paged_attention`, which writes the new K/V into their
 slots of the arena (`kvtier.engine.arena`: raw or quantized) and runs SDPA per sequence over that
-sequence's gathered context at full precision (a causal mask offset by the tokens already computed). The model module tree used here is a copy that shares the
-weights (`paged_model`), so the caller's model keeps its own attention implementation.
+sequence's gathered context at full precision (a causal mask offset by the tokens already computed).
+The model module tree used here is a copy that shares the weights (`paged_model`), so the caller's
+model keeps its own attention implementation.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class LLMEngine:
         self._move_blocks(out)
         sampled = self.runner.run(out.chunks) if out.chunks else {}
         outputs = [self._output(seq) for seq in self.scheduler.postprocess(out, sampled)]
-        newly_full, self.scheduler.newly_full = self.scheduler.newly_full, []
+        newly_full = self.scheduler.take_newly_full()
         if self.config.tier_writes == "full":
             self._write_to_tiers(newly_full)
         for output in outputs:
@@ -159,13 +159,13 @@ class LLMEngine:
         # every read of a block comes before any write to one (a block freed by a swap-out or evicted
         # may be reallocated in the same step)
         for request_id, block_ids in out.swap_out:
-            self._host_kv[request_id] = self.runner.read_blocks(block_ids)
+            self._host_kv[request_id] = self.arena.read(block_ids)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
         for request_id, block_ids in out.swap_in:
-            self.runner.write_blocks(block_ids, self._host_kv.pop(request_id))
+            self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
         for block_id, block in out.loads:
-            self.runner.write_block(block_id, block)
+            self.arena.write_block(block_id, block)
 
     def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
         """Encode device blocks and hand them to the manager (its worker writes them down). `skip_held`:
@@ -176,7 +176,7 @@ class LLMEngine:
         if skip_held:
             held = self.manager.contains_many([key for key, _ in blocks])
             blocks = [block for block, is_held in zip(blocks, held) if not is_held]
-        items = [(key, self.codec.encode(self.runner.block_tensor(block_id))) for key, block_id in blocks]
+        items = [(key, self.codec.encode(self.arena.block_tensor(block_id))) for key, block_id in blocks]
         if items:
             self.manager.put_many(items)
             self.num_blocks_written_to_tiers += len(items)

@@ -1,8 +1,8 @@
 """The device side: the KV arena tensors, the forward over a step's flat batch, and sampling.
 
 Reads only what the scheduler hands it (`ScheduledChunk`s with their sequences' block tables);
-never decides anything. The KV lives in an arena (`kvtier.engine.arena`, raw or quantized), which
-also does the block copies to and from host memory and the tiers.
+never decides anything. The KV lives in an arena (`kvtier.engine.arena`, raw or quantized); the
+engine copies blocks in and out of it (swaps, tiers) directly.
 """
 
 from __future__ import annotations
@@ -82,19 +82,3 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
-
-    # -- block copies (the arena's stored form for swaps; full precision for the tiers) ----------------
-    def read_blocks(self, block_ids: list[int]):
-        """A host copy of the blocks in the arena's stored form (bit-exact back with `write_blocks`)."""
-        return self.arena.read(block_ids)
-
-    def write_blocks(self, block_ids: list[int], copy) -> None:
-        self.arena.write_copy(block_ids, copy)
-
-    def block_tensor(self, block_id: int) -> torch.Tensor:
-        """One full block as a codec wants it: [L, 2, H, T, D] at the model's dtype on the CPU."""
-        return self.arena.block_tensor(block_id)
-
-    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
-        """Write one [L, 2, H, T, D] block (a decoded tier block)."""
-        self.arena.write_block(block_id, kv)

@@ -70,7 +70,7 @@ class Scheduler:
         self.num_swapped_blocks = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens_by_tier: dict[str, int] = {}
-        self.newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since the engine last took them
+        self._newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since `take_newly_full`
         self._spaces: dict[str, KeySpace] = {}
 
     # -- requests --------------------------------------------------------------------------------
@@ -244,6 +244,11 @@ class Scheduler:
                 self._finish(seq, reason)
         return updated
 
+    def take_newly_full(self) -> list[tuple[bytes, int]]:
+        """(key, block id) of the blocks computed and registered since the last call."""
+        taken, self._newly_full = self._newly_full, []
+        return taken
+
     def _register_full_blocks(self, seq: Sequence) -> None:
         block_tokens = self.block_tokens
         while len(seq.block_keys) < seq.num_computed_tokens // block_tokens:
@@ -252,7 +257,7 @@ class Scheduler:
             key = chain_key(parent, seq.token_ids[i * block_tokens:(i + 1) * block_tokens])
             seq.block_keys.append(key)
             if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key):
-                self.newly_full.append((key, seq.block_ids[i]))
+                self._newly_full.append((key, seq.block_ids[i]))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids):

@@ -55,7 +55,9 @@ def register(app: typer.Typer) -> None:
         from kvtier.evals import report, runner
 
         methods = methods if methods is not None else ",".join(_default_methods())
-        snapkv_window = snapkv_window if snapkv_window is not None else _default_snapkv_window()
+        # SnapKV's observation window is the prompt's closing instruction: the passkey question there,
+        # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
+        snapkv_window = snapkv_window if snapkv_window is not None else "question"
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
                          snapkv_window)
         if text is None:
@@ -85,12 +87,6 @@ def register(app: typer.Typer) -> None:
             console.print(f"{'MET' if check.met else 'NOT MET'}: {check.name} ({check.detail})")
         if plot_path:
             console.print(f"plot written to {plot_path}")
-
-
-def _default_snapkv_window() -> str:
-    # SnapKV's observation window is the prompt's closing instruction: the passkey question there,
-    # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
-    return "question"
 
 
 def _default_methods() -> tuple[str, ...]:

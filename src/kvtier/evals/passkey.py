@@ -12,8 +12,9 @@ twice so that a 135M model can do it at full cache):
 
 Protocol: the context (everything before the cue) is prefilled once in full precision and written
 into the method's cache (quantized / evicted; SnapKV's observation window is the last 32 tokens of
-the context, or with `--snapkv-window question` exactly the question's tokens). The cue is then fed through the lossy cache and the answer is
-greedy-decoded for `max_new_tokens`; it is correct when the first number in it equals the key.
+the context, or with `--snapkv-window question` exactly the question's tokens). The cue is then fed
+through the lossy cache and the answer is greedy-decoded for `max_new_tokens`; it is correct when the
+first number in it equals the key.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
+from kvtier.codecs.quant import DEFAULT_GROUP_TOKENS
 from kvtier.errors import UserError
 from kvtier.evals import passkey as pk
 from kvtier.evals.perplexity import NLL, prefill_tokens, score_continuation, text_windows
@@ -32,6 +33,8 @@ QUANT_METHODS = ("fp8", "int8", "int4", "int2")
 # KIVI int4 with 128-token key groups (one group per residual window): 0.547 bytes per element for the
 # blocks (vs 0.5625 with 64-token groups) — the layout that reaches 3.5x at SmolLM2's full 8k context
 WIDE_GROUP_METHODS = {"int4-g128": ("int4", 128)}
+# method -> (codec, key group tokens) of kvtier's QuantizedKVCache
+_QUANT_LAYOUTS = {**{name: (name, DEFAULT_GROUP_TOKENS) for name in QUANT_METHODS}, **WIDE_GROUP_METHODS}
 EVICTION_METHODS = eviction.POLICIES
 PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-hqq-int2", "hf-fp8")
 ALL_METHODS = ("raw", *QUANT_METHODS, *WIDE_GROUP_METHODS, *EVICTION_METHODS, *PEER_METHODS)
@@ -62,15 +65,11 @@ class Method:
         """A fresh cache; `question_tokens`: the length of the prompt's closing question (0: none)."""
         if self.name == "raw":
             return DynamicCache(config=model.config)
-        if self.name in QUANT_METHODS:
-            from kvtier.levers.quantized_cache import QuantizedKVCache
-
-            return QuantizedKVCache(model.config, self.name)
-        if self.name in WIDE_GROUP_METHODS:
+        if self.name in _QUANT_LAYOUTS:
             from kvtier.codecs.quant import quantizer
             from kvtier.levers.quantized_cache import QuantizedKVCache
 
-            codec, group_tokens = WIDE_GROUP_METHODS[self.name]
+            codec, group_tokens = _QUANT_LAYOUTS[self.name]
             return QuantizedKVCache(model.config, codec, quantizer=quantizer(codec, group_tokens=group_tokens))
         if self.name in EVICTION_METHODS:
             window = question_tokens if self.question_window and question_tokens else self.window_tokens
