@@ -49,7 +49,46 @@ def test_smollm2_is_converted_once_and_cached(smollm2):
     assert models.head_dim(cfg) == 64
     converted = models.cache_dir() / "smollm2-135m-instruct"
     assert (converted / ".converted-from").is_file()
-    assert list(converted.glob("*.safetensors"))
+    from safetensors import safe_open
+
+    [weights] = converted.glob("*.safetensors")
+    with safe_open(weights, "pt") as f:  # as save_pretrained writes a tied model (vLLM reads it)
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    assert cfg.tie_word_embeddings
     ids = smollm2.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = smollm2.model.generate(ids, max_new_tokens=3, do_sample=False)
     assert "Paris" in smollm2.tokenizer.decode(out[0, ids.shape[1]:])
+
+
+def test_checkpoint_stores_a_tied_embedding_as_embed_tokens(tmp_path):
+    """vLLM skips a tied `lm_head.weight`: the tensor must be written as `model.embed_tokens.weight`."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    tensors = models._checkpoint_tensors(model)
+    assert "lm_head.weight" not in tensors
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"],
+                       model.model.embed_tokens.weight)
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_checkpoint_of_an_older_format_is_converted_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    gguf = models.embedded_gguf_path()
+    converted = tmp_path / "smollm2-135m-instruct"
+    converted.mkdir()
+    (converted / ".converted-from").write_text(f"{gguf.name}:{gguf.stat().st_size}")  # v1's marker
+    calls = []
+    monkeypatch.setattr(models, "_convert_gguf", lambda src, out: calls.append(out))
+    monkeypatch.setattr(models, "_load_hf_dir", lambda path, dtype: models.LoadedModel(None, None, "x", "f"))
+    models._load_embedded(torch.float32)
+    assert calls == [converted]
+    assert (converted / ".converted-from").read_text().startswith(models._CONVERSION_VERSION + ":")
+    models._load_embedded(torch.float32)
+    assert calls == [converted]  # the new marker is current: no second conversion

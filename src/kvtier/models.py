@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from kvtier.errors import UserError
 
 EMBEDDED_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bumped whenever the converted checkpoint's format changes: a cache written by an older kvtier is
+# converted again. v2: weights written by `save_pretrained` (the tied embedding is stored as
+# `model.embed_tokens.weight`; v1 held it only as `lm_head.weight`, which vLLM skips when tied).
+_CONVERSION_VERSION = "v2"
 
 
 @dataclass(slots=True)
@@ -106,7 +111,7 @@ def _load_embedded(dtype: torch.dtype) -> LoadedModel:
     gguf = embedded_gguf_path()
     converted = cache_dir() / "smollm2-135m-instruct"
     marker = converted / ".converted-from"
-    source_id = f"{gguf.name}:{gguf.stat().st_size}"
+    source_id = f"{_CONVERSION_VERSION}:{gguf.name}:{gguf.stat().st_size}"
     if not (marker.is_file() and marker.read_text() == source_id):
         _convert_gguf(gguf, converted)
         marker.write_text(source_id)
@@ -116,12 +121,12 @@ def _load_embedded(dtype: torch.dtype) -> LoadedModel:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    from safetensors.torch import save_model
-
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted conversion
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -132,11 +137,26 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         delattr(config, "quantization_config")
     config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+    save_file(_checkpoint_tensors(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(tmp)
+    for stale in out.glob("*.safetensors*"):  # a previous format's shards must not be loaded beside ours
+        stale.unlink()
     for file in tmp.iterdir():  # move into place file by file; the marker is written last
         file.replace(out / file.name)
     tmp.rmdir()
+
+
+def _checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as `save_pretrained` writes it (which refuses a GGUF-loaded model): a tied
+    `lm_head.weight` is left out, the embedding kept as `model.embed_tokens.weight`, and
+    `tie_word_embeddings` in config.json says so. vLLM skips a tied `lm_head.weight` when loading,
+    so a checkpoint holding the tied tensor only under that name leaves vLLM's embedding at zero."""
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        embedding = model.get_input_embeddings().weight
+        assert tensors["model.embed_tokens.weight"].data_ptr() == embedding.data_ptr()
+        tensors.pop("lm_head.weight", None)
+    return tensors
 
 
 def tiny_llama(*, num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
