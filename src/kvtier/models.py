@@ -88,7 +88,8 @@ def load(spec: str = EMBEDDED_MODEL, *, dtype: torch.dtype = torch.float32, devi
     return loaded
 
 
-def _fingerprint_dir(path: Path) -> str:
+def fingerprint_dir(path: Path) -> str:
+    """Names the weights of a local HF directory (files' names, sizes and mtimes): part of every block key."""
     h = hashlib.sha256()
     for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("config.json")):
         stat = file.stat()
@@ -103,7 +104,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> LoadedModel:
         raise UserError(f"{path} has no config.json: not a Hugging Face model directory")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return LoadedModel(model, tokenizer, path.name, _fingerprint_dir(path))
+    return LoadedModel(model, tokenizer, path.name, fingerprint_dir(path))
 
 
 def _load_embedded(dtype: torch.dtype) -> LoadedModel:

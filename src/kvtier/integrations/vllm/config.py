@@ -1,0 +1,89 @@
+"""The connector's settings (`kv_connector_extra_config`) and the block layout and key space vLLM implies.
+
+One kvtier block is one vLLM block (`--block-size` tokens), all layers: `[L, 2, H_kv, block_size, D]`.
+Keys chain over token ids from a root naming the weights, the layout, the codec and the request's
+`cache_salt` (vLLM's own block hashes name none of the model), so two models or two tenants never
+meet in one pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier import models
+from kvtier.blocks import KeySpace, KVLayout
+
+_KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves"}
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """`{"tiers": ["dram:4GiB", "ssd:/path:100GiB", "mooncake://HOST:PORT"], "codec": "raw"}`."""
+
+    tiers: tuple[str, ...]
+    codec: str = "raw"
+    fingerprint: str | None = None  # names the weights; default: derived from the model (directory)
+    max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
+
+    def __post_init__(self) -> None:
+        if not self.tiers or not all(isinstance(spec, str) and spec for spec in self.tiers):
+            raise ValueError('kv_connector_extra_config needs "tiers": a non-empty list of tier specs '
+                             '(as `kvtier serve --tier`: "dram:4GiB", "ssd:/path:100GiB", "mooncake://HOST:PORT")')
+        if not self.shared_tiers:
+            raise ValueError("KvtierConnector needs an SSD or pool tier (a DRAM tier alone is not enough): vLLM's "
+                             "scheduler runs in another process than its worker and looks blocks up there")
+        if self.max_pending_saves <= 0:
+            raise ValueError(f"max_pending_saves must be positive, got {self.max_pending_saves}")
+
+    @property
+    def shared_tiers(self) -> tuple[str, ...]:
+        """The tiers every process sees (not the worker's own DRAM)."""
+        return tuple(spec for spec in self.tiers if not spec.startswith("dram:"))
+
+    @classmethod
+    def from_extra_config(cls, extra: dict) -> ConnectorConfig:
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys {unknown}: use {sorted(_KNOWN_KEYS)}")
+        tiers = extra.get("tiers") or ()
+        if isinstance(tiers, str):
+            tiers = [tiers]
+        return cls(tiers=tuple(tiers), codec=str(extra.get("codec", "raw")), fingerprint=extra.get("fingerprint"),
+                   max_pending_saves=int(extra.get("max_pending_saves", 256)))
+
+
+def check_supported(vllm_config) -> None:
+    """What this connector does not (yet) handle, refused at start rather than served wrong."""
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+        raise ValueError("KvtierConnector supports one worker (tensor/pipeline parallel size 1)")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ValueError("KvtierConnector supports --kv-cache-dtype auto only")
+    if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
+        raise ValueError('KvtierConnector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '
+                         "a block that turns out corrupt or missing is then recomputed instead of failing the request")
+
+
+def layout_for(vllm_config) -> KVLayout:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return KVLayout(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
+                    head_dim=model.get_head_size(), dtype=str(model.dtype).removeprefix("torch."),
+                    block_tokens=vllm_config.cache_config.block_size)
+
+
+def fingerprint_for(vllm_config) -> str:
+    model = vllm_config.model_config
+    return model_fingerprint(model.model, model.revision, model.quantization)
+
+
+def model_fingerprint(model: str, revision: str | None = None, quantization: str | None = None) -> str:
+    """A local model directory is named by its files (as `kvtier serve` names it); a hub name by name and revision."""
+    base = models.fingerprint_dir(Path(model)) if Path(model).is_dir() else f"{model}@{revision or 'main'}"
+    return hashlib.sha256(f"{base}/{quantization or 'none'}".encode()).hexdigest()[:16]
+
+
+def key_space(vllm_config, config: ConnectorConfig) -> KeySpace:
+    return KeySpace(config.fingerprint or fingerprint_for(vllm_config), layout_for(vllm_config), config.codec)

@@ -1,0 +1,171 @@
+"""`KvtierConnector`: vLLM v1's KV connector API (`KVConnectorBase_V1`) on kvtier's tier stack.
+
+vLLM makes one instance per role: the scheduler's (`SchedulerSide`: lookups, load and save plans)
+and the worker's (`WorkerSide`: the copies, through the whole stack). They live in different
+processes (vLLM's CPU platform always runs its worker in a process of its own), so the scheduler
+looks up the tiers both processes see — SSD and pools; blocks are written through to them — and
+the worker reads each block from the highest tier holding it (its DRAM first).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.codecs import get_codec
+from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
+from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
+from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.worker import WorkerSide
+from kvtier.manager import build_manager
+
+log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
+
+# vLLM's own names for where cached tokens came from (`vllm:prompt_tokens_cached_by_source`).
+# A pool's blocks were written by other servers and fetched over the network: "p2p" is the nearest.
+_HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK,
+               "mooncake": CacheHitSource.P2P, "redis": CacheHitSource.P2P}
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, once per step: ids and keys only."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, once per step: the tier each block of a finished load came from."""
+
+    loaded_tiers: dict[str, list[str]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvtierWorkerMetadata)
+        return KvtierWorkerMetadata({**self.loaded_tiers, **other.loaded_tiers})
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """`--kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path":
+    "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {"tiers": ["dram:4GiB", "ssd:/path:100GiB"], "codec": "raw"}}'`"""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_supported(vllm_config)
+        config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._space = key_space(vllm_config, config)
+        codec = get_codec(config.codec)
+        slot_bytes = codec.max_encoded_bytes(self._space.layout) + 4096
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            # Lookups only (no writes): the worker's DRAM is in another process; what it holds is
+            # written through to the shared tiers, which the scheduler asks.
+            self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
+            self._scheduler = SchedulerSide(self._space, self._manager)
+        else:
+            self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
+            self._worker = WorkerSide(self._space.layout, codec, self._manager,
+                                      max_pending_saves=config.max_pending_saves)
+        log.info("kvtier connector (%s): tiers %s, codec %s, layout %s", role.name.lower(), list(config.tiers),
+                 codec.name, self._space.layout.encode().decode())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
+        return num_tokens, num_tokens > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """As looked up at admission (SSD or pool; the worker may then read a block from its DRAM:
+        `kvtier:hit_tokens` and the reply's `kv_transfer_params` count where blocks really came from)."""
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._scheduler.hit_tokens_by_tier(request.request_id).items():
+            source = _HIT_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + tokens
+        return sources
+
+    def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
+        records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
+                                                lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
+        return KvtierMetadata(records.loads, records.saves)
+
+    def update_connector_output(self, connector_output) -> None:
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KvtierWorkerMetadata):
+            self._scheduler.loaded_from(worker_meta.loaded_tiers)
+        if connector_output.invalid_block_ids:
+            self._scheduler.load_errors(set(connector_output.invalid_block_ids))
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Saves were copied out during the steps: the blocks are free now. The reply's
+        `kv_transfer_params` tells which tier served how many of the prompt's tokens."""
+        hits = self._scheduler.hit_tokens_by_tier(request.request_id)
+        self._scheduler.finished(request.request_id)
+        return False, ({"kvtier_hit_tokens": hits} if hits else None)
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        self._worker.register(kv_caches, extract_layer_index)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self._worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request is scheduled only once its whole load has landed
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # blocks are copied once per step in wait_for_save, all layers together
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self._worker.save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.take_finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_invalid_block_ids()
+
+    def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
+        tiers = self._worker.take_loaded_tiers()
+        return KvtierWorkerMetadata(tiers) if tiers else None
+
+    def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
+        stats = self._worker.take_stats() if self._worker else {}
+        return KvtierConnectorStats(data=stats) if stats else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvtierConnectorStats:
+        return KvtierConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        self._manager.close()

@@ -1,0 +1,90 @@
+"""Scheduler-side bookkeeping, free of vLLM imports (testable on its own): what each request may load
+from the tiers, which of its device blocks to send down, and the records that go to the worker.
+
+Records that cross to the worker carry keys and block ids only, never tensors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvtier.blocks import KeySpace, block_keys, chain_key
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Fill `block_ids` (device blocks) with the blocks named by `keys`, in order."""
+
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Copy `block_ids` (full, computed device blocks) down the tiers under `keys`."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    """What `get_num_new_matched_tokens` found: blocks `first_block ..` held by `tiers` (one name each)."""
+
+    first_block: int
+    keys: list[bytes]
+    tiers: list[str]
+
+
+def request_namespace(cache_salt: str | None, lora_name: str | None = None) -> str:
+    """The tenant part of a key: the request's `cache_salt`, and its LoRA adapter (different KV)."""
+    namespace = cache_salt or ""
+    return f"{namespace}\x00lora:{lora_name}" if lora_name else namespace
+
+
+class RequestTracker:
+    """One request's chained keys (extended as its tokens grow) and what of it went to the tiers."""
+
+    def __init__(self, space: KeySpace) -> None:
+        self.space = space
+        self.keys: list[bytes] = []
+        self.num_saved_blocks = 0          # blocks [0, num_saved_blocks) are in the tiers or queued
+        self.load: LoadPlan | None = None  # the plan admitted with its loaded block ids, until finished
+        self.load_block_ids: list[int] = []
+
+    def keys_for(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
+        """Keys of the first `num_blocks` full blocks of `token_ids` (the chain is extended, never rehashed)."""
+        block_tokens = self.space.layout.block_tokens
+        if not self.keys and num_blocks:
+            self.keys = block_keys(self.space, token_ids[:num_blocks * block_tokens])
+        while len(self.keys) < num_blocks:
+            start = len(self.keys) * block_tokens
+            self.keys.append(chain_key(self.keys[-1], token_ids[start:start + block_tokens]))
+        return self.keys[:num_blocks]
+
+    def loaded_tokens_by_tier(self) -> dict[str, int]:
+        if self.load is None:
+            return {}
+        block_tokens = self.space.layout.block_tokens
+        return {tier: n * block_tokens for tier, n in Counter(self.load.tiers).items()}
+
+    def drop_failed_loads(self, invalid_block_ids: set[int]) -> bool:
+        """Forget loaded blocks from the first that failed on: they are recomputed, and saved again."""
+        bad = [i for i, block_id in enumerate(self.load_block_ids) if block_id in invalid_block_ids]
+        if not bad or self.load is None:
+            return False
+        first = bad[0]
+        self.load.tiers = self.load.tiers[:first]
+        self.load_block_ids = self.load_block_ids[:first]
+        self.num_saved_blocks = min(self.num_saved_blocks, self.load.first_block + first)
+        return True
+
+
+@dataclass(slots=True)
+class StepRecords:
+    """The scheduler's records for one step, handed to the worker inside the connector metadata."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,109 @@
+"""Scheduler side: how many prompt tokens the tiers hold beyond vLLM's own prefix cache, which device
+blocks to fill from them, and which newly full blocks to send down.
+
+vLLM asks the device prefix cache first and offers the rest to `num_matched_tokens`; one lookup
+(one `contains` round per tier, top-down, each asked only for what the tiers above lack) finds the
+longest held run. The load itself runs on the worker; the scheduler never waits on a tier.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.blocks import KeySpace
+from kvtier.integrations.vllm.plan import LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords, request_namespace
+from kvtier.manager import TierManager
+
+log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
+
+
+class SchedulerSide:
+    def __init__(self, space: KeySpace, manager: TierManager) -> None:
+        self.space = space
+        self.block_tokens = space.layout.block_tokens
+        self.manager = manager
+        self._trackers: dict[str, RequestTracker] = {}
+        self._plans: dict[str, LoadPlan] = {}
+        self._requests: dict[str, object] = {}   # req_id -> vLLM Request (read only)
+        self._records = StepRecords()
+
+    def _tracker(self, request) -> RequestTracker:
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:
+            lora = getattr(request, "lora_request", None)
+            space = self.space.with_namespace(request_namespace(request.cache_salt, lora and lora.lora_name))
+            tracker = self._trackers[request.request_id] = RequestTracker(space)
+        return tracker
+
+    def num_matched_tokens(self, request, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` (block aligned) that the tiers hold, from the next block on.
+        The last token is never offered: vLLM computes it to sample the next one."""
+        tokens = request.all_token_ids
+        num_blocks = (len(tokens) - 1) // self.block_tokens
+        first = num_computed_tokens // self.block_tokens
+        self._plans.pop(request.request_id, None)
+        if num_blocks <= first:
+            return 0
+        keys = self._tracker(request).keys_for(tokens, num_blocks)[first:]
+        try:
+            tiers = self.manager.lookup(keys)
+        except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
+            log.exception("kvtier: lookup failed; computing the prompt")
+            return 0
+        if tiers:
+            self._plans[request.request_id] = LoadPlan(first, keys[:len(tiers)], tiers)
+        return len(tiers) * self.block_tokens
+
+    def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks are allocated: queue the load into them; nothing before them is to be saved again."""
+        tracker = self._tracker(request)
+        self._requests[request.request_id] = request
+        plan = self._plans.pop(request.request_id, None)
+        if plan is None or num_external_tokens <= 0:
+            return
+        num_blocks = num_external_tokens // self.block_tokens
+        assert num_blocks <= len(plan.keys), (num_blocks, len(plan.keys))
+        plan.keys, plan.tiers = plan.keys[:num_blocks], plan.tiers[:num_blocks]
+        ids = block_ids[plan.first_block:plan.first_block + num_blocks]
+        self._records.loads.append(LoadSpec(request.request_id, plan.keys, ids))
+        tracker.load, tracker.load_block_ids = plan, ids
+        tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
+
+    def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
+        tracker = self._trackers.get(request_id)
+        return tracker.loaded_tokens_by_tier() if tracker else {}
+
+    def build_records(self, num_scheduled_tokens: dict[str, int], block_ids_of) -> StepRecords:
+        """This step's loads, and the blocks that are full and computed once it ran (prompt and output)."""
+        for req_id, num_new in num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            tracker = self._trackers[req_id]
+            tokens = request.all_token_ids  # output tokens still in flight (async scheduling) are not here yet
+            num_full = min(request.num_computed_tokens + num_new, len(tokens)) // self.block_tokens
+            if num_full <= tracker.num_saved_blocks:
+                continue
+            keys = tracker.keys_for(tokens, num_full)[tracker.num_saved_blocks:]
+            ids = block_ids_of(req_id)[tracker.num_saved_blocks:num_full]
+            self._records.saves.append(SaveSpec(keys, ids))
+            tracker.num_saved_blocks = num_full
+        records, self._records = self._records, StepRecords()
+        return records
+
+    def load_errors(self, invalid_block_ids: set[int]) -> None:
+        """The worker could not load these blocks: vLLM recomputes them, and they are saved again."""
+        for tracker in self._trackers.values():
+            tracker.drop_failed_loads(invalid_block_ids)
+
+    def loaded_from(self, tiers_by_request: dict[str, list[str]]) -> None:
+        """Where the worker really read each loaded block (its DRAM, which the lookup does not see)."""
+        for req_id, tiers in tiers_by_request.items():
+            tracker = self._trackers.get(req_id)
+            if tracker is not None and tracker.load is not None:
+                tracker.load.tiers = tiers[:len(tracker.load.tiers)]
+
+    def finished(self, request_id: str) -> None:
+        self._trackers.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._plans.pop(request_id, None)
