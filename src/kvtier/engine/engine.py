@@ -176,15 +176,14 @@ class LLMEngine:
         if skip_held:
             held = self.manager.contains_many([key for key, _ in blocks])
             blocks = [block for block, is_held in zip(blocks, held) if not is_held]
-        items = [(key, self.codec.encode(self.arena.block_tensor(block_id))) for key, block_id in blocks]
+        items = [(key, self.codec.encode(self.arena.block_tensor(block_id), key)) for key, block_id in blocks]
         if items:
             self.manager.put_many(items)
             self.num_blocks_written_to_tiers += len(items)
 
     def _fetch_prefix(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[str]]:
-        tiers = self.manager.lookup(keys)
-        payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
-        return [self.codec.decode(buf) for buf in payloads], tiers[:len(payloads)]
+        prefix = self.manager.read(self.manager.match(keys))
+        return [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)], prefix.tiers
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, [seq.token_ids[-1]], seq.finish_reason is not None, seq.finish_reason,
