@@ -36,7 +36,7 @@ SIZE = len(_block(0))
 
 def _keys(tag: str, n: int) -> list[bytes]:
     """Unique per test, so tests sharing one session service never see each other's blocks."""
-    return [xxhash.xxh3_128(f"{tag}-{time.monotonic_ns()}-{i}").digest() for i in range(n)]
+    return [xxhash.xxh3_128(f"{tag}-{time.monotonic_ns()}-{i}".encode()).digest() for i in range(n)]
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> bool:

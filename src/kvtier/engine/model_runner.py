@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.engine.arena import RawArena, QuantArena
+from kvtier.engine.arena import Arena
 from kvtier.engine.attention import PagedBatch, SeqSlice, paged_model
 from kvtier.engine.scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: RawArena | QuantArena) -> None:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: Arena) -> None:
         self.model = paged_model(model)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
