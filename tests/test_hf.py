@@ -75,7 +75,8 @@ def test_lossy_codec_prefix_loads_exactly_the_decoded_blocks(tmp_path, tiny_mode
     ids = _prompt(3 * BLOCK + 5)
     first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, codec=codec)
     _greedy(tiny_model, ids, first, n=2)
-    expected = [get_codec(codec).decode(get_codec(codec).encode(first.block_tensor(i))) for i in range(3)]
+    key = bytes(16)
+    expected = [get_codec(codec).decode(get_codec(codec).encode(first.block_tensor(i), key), key) for i in range(3)]
     assert first.store(ids[0]) == 3
     second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK, codec=codec)
     assert second.load_prefix(ids) == 3 * BLOCK
@@ -130,6 +131,36 @@ def test_corrupt_ssd_block_is_recomputed_not_served(tmp_path, tiny_model):
     assert second.load_prefix(ids) == 2 * BLOCK  # blocks 0-1 served, block 2 corrupt -> recompute from there
     assert manager.stats()["ssd"].corrupt == 1
     assert _greedy(tiny_model, ids, second) == out1
+    manager.close()
+
+
+def test_substituted_ssd_blocks_are_refused_and_healed_in_one_run(tmp_path, tiny_model):
+    """Valid block files in the wrong place — two swapped, one from another prompt copied over a
+    third — are never loaded: the prefix stops before the first, the text equals the uncached
+    reply, and one store puts every refused block back (not one per run)."""
+    manager = _manager(tmp_path, tiny_model, tiers=("ssd",))
+    ids, other = _prompt(5 * BLOCK + 1), _prompt(5 * BLOCK + 1, seed=99)
+    reference = _greedy(tiny_model, ids, DynamicCache(config=tiny_model.config))
+    for prompt in (ids, other):
+        cache = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+        _greedy(tiny_model, prompt, cache, n=1)
+        cache.store(prompt[0])
+    manager.flush()
+    manager.close()
+    files = [_file_of_block(tmp_path, tiny_model, ids, i) for i in range(5)]
+    b1, b2 = files[1].read_bytes(), files[2].read_bytes()
+    files[1].write_bytes(b2), files[2].write_bytes(b1)
+    files[4].write_bytes(_file_of_block(tmp_path, tiny_model, other, 4).read_bytes())
+    manager = _manager(tmp_path, tiny_model, tiers=("ssd",))
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == BLOCK
+    assert manager.stats()["ssd"].corrupt == 3
+    assert _greedy(tiny_model, ids, second) == reference
+    assert second.store(ids[0]) == 4  # blocks 1-4 (all of the recomputed ones) go down again
+    manager.flush()
+    third = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert third.load_prefix(ids) == 5 * BLOCK
+    assert _greedy(tiny_model, ids, third) == reference
     manager.close()
 
 

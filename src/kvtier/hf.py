@@ -249,14 +249,13 @@ class TieredCache(Cache):
         if self.manager is None or usable_blocks == 0:
             return 0
         keys = block_keys(self.space, token_ids[:usable_blocks * block_tokens])
-        tiers = self.manager.lookup(keys)
-        payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
-        blocks = [self.codec.decode(buf) for buf in payloads]
+        prefix = self.manager.read(self.manager.match(keys))
+        blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
         if not blocks:
             return 0
         self._fill(blocks, len(token_ids) + reserve_tokens)
         num_cached = len(blocks) * block_tokens
-        for tier in tiers[:len(blocks)]:
+        for tier in prefix.tiers:
             self.prefix.hit_tokens_by_tier[tier] = self.prefix.hit_tokens_by_tier.get(tier, 0) + block_tokens
         self.prefix.cached_tokens = num_cached
         self._num_stored_blocks = len(blocks)
@@ -311,7 +310,7 @@ class TieredCache(Cache):
         if num_full <= self._num_stored_blocks:
             return 0
         keys = block_keys(self.space, ids[:num_full * block_tokens])
-        items = [(keys[i], self.codec.encode(self.block_tensor(i))) for i in range(self._num_stored_blocks, num_full)]
+        items = [(keys[i], self.codec.encode(self.block_tensor(i), keys[i])) for i in range(self._num_stored_blocks, num_full)]
         self.manager.put_many(items)
         self.prefix.stored_blocks += len(items)
         self._num_stored_blocks = num_full

@@ -3,8 +3,9 @@
 Tiers are ordered top (fastest) first. `put_many` writes the top tier synchronously and the
 lower tiers on one worker thread (write-through, so a second process on the same SSD or pool sees
 the blocks); blocks the top tier evicts are demoted to the next tier. Reads are batched per tier.
-Every block read is checked with `codecs.header.verify`: a corrupt block is deleted, counted, and
-ends the prefix there — the caller recomputes from that point. A tier that turns unhealthy (a dead
+Every block read is checked with `codecs.header.verify(data, key)` — intact, and the block its key
+names: a corrupt or substituted block is deleted, counted, and ends the prefix there — the caller
+recomputes from that point. A tier that turns unhealthy (a dead
 pool, a full disk) is skipped by reads and writes, and `reconnect()`ed on a background thread with
 exponential back-off (1 s doubling to 30 s); requests keep being served by the other tiers. The
 manager never calls up into its callers.
@@ -16,13 +17,39 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
-from kvtier.codecs.header import CorruptBlockError, verify
+from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Tier, TierStats, make_tier
 
 log = logging.getLogger(__name__)
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The longest cached prefix of some keys: which tier holds each of its blocks (ids, no data)."""
+
+    keys: list[bytes]
+    tier_indices: list[int]   # into TierManager.tiers
+    tiers: list[str]          # the same, by name
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(slots=True)
+class Prefix:
+    """Blocks read for a match, each verified to be the block its key names; possibly shorter than
+    the match (a block evicted meanwhile, or bad). `headers` let callers decode without a second check."""
+
+    payloads: list[bytes]
+    headers: list[Header]
+    tiers: list[str]          # the tier each block came from
+
+    def __len__(self) -> int:
+        return len(self.payloads)
 
 
 class TierManager:
@@ -113,45 +140,61 @@ class TierManager:
             missing = [i for i in missing if holder[i] is None]
         return holder
 
+    def match(self, keys: list[bytes]) -> PrefixMatch:
+        """Which tier holds each block of the longest prefix of `keys` held anywhere: one batched
+        contains per tier, top-down. Nothing is read yet; `read(match)` fetches and verifies."""
+        holders = self._holders(keys)
+        return PrefixMatch(keys[:len(holders)], holders, [self.tiers[t].name for t in holders])
+
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tier name of each block of the longest prefix of `keys` held anywhere."""
-        return [self.tiers[t].name for t in self._holders(keys)]
+        return self.match(keys).tiers
 
-    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """Verified payloads of the longest prefix; lower-tier hits are promoted to the top tier.
-
-        One batched get per tier. A block that is missing after all (evicted meanwhile) or corrupt
-        ends the prefix; a corrupt one is also deleted from its tier."""
-        holders = self._holders(keys)
+    def read(self, match: PrefixMatch) -> Prefix:
+        """Fetch a match's blocks (one batched get per tier) and prove each is the block its key
+        names (`codecs.header.verify(data, key)`: intact, and written for that key). The prefix ends
+        at the first block that is missing after all (evicted meanwhile) or bad; every bad block of
+        the run is deleted from its tier at once (not one per request) and counted as corrupt, not as
+        a hit. Verified lower-tier blocks of the prefix are promoted to the top tier."""
         fetched: dict[int, bytes | None] = {}
-        for tier_idx in sorted(set(holders)):
+        for tier_idx in sorted(set(match.tier_indices)):
             tier = self.tiers[tier_idx]
-            idxs = [i for i, t in enumerate(holders) if t == tier_idx]
-            datas = self._guarded(tier, "get", lambda t=tier, ks=[keys[i] for i in idxs]: t.get_many(ks),
+            idxs = [i for i, t in enumerate(match.tier_indices) if t == tier_idx]
+            datas = self._guarded(tier, "get", lambda t=tier, ks=[match.keys[i] for i in idxs]: t.get_many(ks),
                                   [None] * len(idxs))
             fetched.update(zip(idxs, datas))
-        out: list[bytes] = []
+        prefix = Prefix([], [], [])
         promote: list[tuple[bytes, bytes]] = []
-        for i, tier_idx in enumerate(holders):
+        ended = False
+        for i, (key, tier_idx) in enumerate(zip(match.keys, match.tier_indices)):
             data = fetched.get(i)
-            if data is None or not self._verified(keys[i], data, self.tiers[tier_idx]):
-                break
-            out.append(data)
+            hdr = self._verified(key, data, self.tiers[tier_idx]) if data is not None else None
+            ended = ended or hdr is None
+            if ended:
+                continue  # past the end of the prefix: only verified to drop every bad block now
+            prefix.payloads.append(data)
+            prefix.headers.append(hdr)
+            prefix.tiers.append(match.tiers[i])
             if tier_idx > 0:
-                promote.append((keys[i], data))
+                promote.append((key, data))
         if promote:
             self._put_top(promote)
-        return out
+        return prefix
 
-    def _verified(self, key: bytes, data: bytes, tier: Tier) -> bool:
+    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
+        """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""
+        return self.read(self.match(keys)).payloads
+
+    def _verified(self, key: bytes, data: bytes, tier: Tier) -> Header | None:
         try:
-            verify(data)
-            return True
+            return verify(data, key)
         except CorruptBlockError as exc:
-            log.warning("corrupt block %s in %s: %s (recomputing)", key.hex()[:12], tier.name, exc)
+            log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
+            tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
+            tier.stats.misses += 1
             tier.stats.corrupt += 1
             self._guarded(tier, "delete", lambda: tier.delete(key), False)
-            return False
+            return None
 
     # -- writes ----------------------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
@@ -198,13 +241,6 @@ class TierManager:
             new = [(k, d) for (k, d), h in zip(items, held) if not h]
             if new:
                 self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [])
-
-    def prefetch(self, keys: list[bytes]) -> None:
-        """Promote the cached prefix of `keys` into the top tier ahead of use."""
-        if self._queue is None:
-            self.get_prefix(keys)
-            return
-        threading.Thread(target=self.get_prefix, args=(keys,), daemon=True).start()
 
     def flush(self) -> None:
         if self._queue is not None:

@@ -14,6 +14,7 @@ from kvtier.codecs.header import HEADER_BYTES
 from kvtier.manager import build_manager
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=256)
+KEY = bytes(range(16))  # a block is bound to the key it is stored under
 
 
 def _kv(kind: str = "normal", seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
@@ -24,10 +25,10 @@ def _kv(kind: str = "normal", seed: int = 0, dtype=torch.bfloat16) -> torch.Tens
 def test_every_codec_frames_verifies_and_decodes_to_the_input_shape_and_dtype(name):
     codec = get_codec(name)
     kv = _kv("outliers")
-    buf = codec.encode(kv)
-    hdr = verify(buf)
+    buf = codec.encode(kv, KEY)
+    hdr = verify(buf, KEY)
     assert hdr.codec == name and hdr.shape == tuple(kv.shape) and hdr.dtype == "bfloat16"
-    out = codec.decode(buf)
+    out = codec.decode(buf, KEY)
     assert out.shape == kv.shape and out.dtype == kv.dtype
     if codec.lossless:
         assert torch.equal(out, kv)
@@ -47,18 +48,18 @@ def test_compression_against_bf16(name, ratio):
 def test_zstd_shrinks_compressible_kv_and_round_trips_bit_exact():
     kv = _kv("zeros")
     kv[:, :, :, :10] = 1.5
-    plain, packed = get_codec("raw").encode(kv), get_codec("raw+zstd").encode(kv)
+    plain, packed = get_codec("raw").encode(kv, KEY), get_codec("raw+zstd").encode(kv, KEY)
     assert len(packed) < len(plain) / 10
-    assert torch.equal(get_codec("raw+zstd").decode(packed), kv)
+    assert torch.equal(get_codec("raw+zstd").decode(packed, KEY), kv)
 
 
 def test_zstd_on_incompressible_data_is_stored_not_grown():
     kv = torch.randint(-2**15, 2**15, LAYOUT.block_shape, dtype=torch.int16).view(torch.bfloat16)
     kv = torch.nan_to_num(kv.float(), nan=0.0, posinf=1.0, neginf=-1.0).to(torch.bfloat16)
     codec = get_codec("raw+zstd")
-    buf = codec.encode(kv)
+    buf = codec.encode(kv, KEY)
     assert len(buf) <= codec.max_encoded_bytes(LAYOUT)
-    assert torch.equal(codec.decode(buf), kv)
+    assert torch.equal(codec.decode(buf, KEY), kv)
 
 
 @settings(max_examples=25, deadline=None)
@@ -67,23 +68,23 @@ def test_decode_is_deterministic_from_bytes_or_a_view(kv):
     """A stored quantized block decodes to the same tensor every time, whatever buffer holds it."""
     for name in ("fp8", "int8", "int4"):
         codec = get_codec(name)
-        buf = codec.encode(kv)
-        once = codec.decode(buf)
-        assert torch.equal(once, codec.decode(memoryview(bytearray(buf))))
+        buf = codec.encode(kv, KEY)
+        once = codec.decode(buf, KEY)
+        assert torch.equal(once, codec.decode(memoryview(bytearray(buf)), KEY))
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8", "int4", "int2", "int4+zstd"])
 def test_quantized_blocks_come_back_from_the_tiers_bit_exact(name, tmp_path):
     codec = get_codec(name)
-    blocks = [codec.encode(_kv("outliers", seed)) for seed in range(3)]
     keys = [bytes([i]) * 16 for i in range(3)]
+    blocks = [codec.encode(_kv("outliers", seed), keys[seed]) for seed in range(3)]
     m = build_manager(["dram:1MiB", f"ssd:{tmp_path}:64MiB"], slot_bytes=codec.max_encoded_bytes(LAYOUT))
     m.put_many(list(zip(keys, blocks)))
     m.flush()
     assert m.get_prefix(keys) == blocks  # the bytes, as stored
     assert m.tiers[1].get_many(keys) == blocks  # from the SSD too
     for buf, seed in zip(blocks, range(3)):
-        assert torch.equal(codec.decode(m.get_prefix([keys[seed]])[0]), codec.decode(buf))
+        assert torch.equal(codec.decode(m.get_prefix([keys[seed]])[0], keys[seed]), codec.decode(buf, keys[seed]))
     m.close()
 
 
@@ -91,24 +92,24 @@ def test_quantized_blocks_come_back_from_the_tiers_bit_exact(name, tmp_path):
 @pytest.mark.parametrize("where", ["header", "scales", "codes", "truncated"])
 def test_corrupt_quantized_blocks_are_rejected(name, where):
     codec = get_codec(name)
-    buf = bytearray(codec.encode(_kv("normal")))
+    buf = bytearray(codec.encode(_kv("normal"), KEY))
     if where == "truncated":
         buf = buf[:-7]
     else:
         buf[{"header": 20, "scales": HEADER_BYTES + 3, "codes": len(buf) - 5}[where]] ^= 0x21
     with pytest.raises(CorruptBlockError):
-        codec.decode(bytes(buf))
+        codec.decode(bytes(buf), KEY)
 
 
 def test_a_block_of_one_codec_is_foreign_to_another():
     with pytest.raises(CorruptBlockError, match="foreign"):
-        get_codec("int8").decode(get_codec("int4").encode(_kv()))
+        get_codec("int8").decode(get_codec("int4").encode(_kv(), KEY), KEY)
     with pytest.raises(CorruptBlockError, match="foreign"):
-        get_codec("int4").decode(get_codec("int4+zstd").encode(_kv()))
+        get_codec("int4").decode(get_codec("int4+zstd").encode(_kv(), KEY), KEY)
 
 
 def test_nan_kv_is_refused_with_a_clear_error():
     kv = _kv()
     kv[0, 0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match="(?i)nan"):
-        get_codec("int4").encode(kv)
+        get_codec("int4").encode(kv, KEY)

@@ -153,6 +153,30 @@ def test_blocks_the_tiers_dropped_are_written_again(tiny_model, tiny_prompts, re
         manager.close()
 
 
+def test_substituted_tier_blocks_are_recomputed_not_served(tiny_model, tiny_prompts, refs, tmp_path):
+    """Two of a prompt's block files swapped on the SSD: both intact, neither the block its key names.
+    A fresh engine takes only the block before them from the tier, recomputes the rest, and its
+    greedy tokens still equal generate's."""
+    from kvtier.blocks import KeySpace, block_keys
+
+    layout = tiny_model.kv_layout(BLOCK)
+    manager = build_manager([f"ssd:{tmp_path}:64MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    try:
+        first = make_engine(tiny_model, 64, manager)
+        assert run_all(first, [tiny_prompts[2]]) == [refs[2]]
+        manager.flush()
+        keys = block_keys(KeySpace(tiny_model.fingerprint, layout, "raw"), tiny_prompts[2])
+        paths = [manager.tiers[0]._path(key) for key in keys[1:3]]
+        one, two = (path.read_bytes() for path in paths)
+        paths[0].write_bytes(two), paths[1].write_bytes(one)
+        second = make_engine(tiny_model, 64, manager)
+        assert run_all(second, [tiny_prompts[2]]) == [refs[2]]
+        assert second.stats().prefix_hit_tokens_by_tier == {"ssd": BLOCK}
+        assert manager.stats()["ssd"].corrupt == 2
+    finally:
+        manager.close()
+
+
 def test_no_prefix_caching_never_hits(tiny_model, tiny_prompts, refs):
     engine = make_engine(tiny_model, 64, prefix_caching=False)
     assert run_all(engine, [tiny_prompts[2], tiny_prompts[2]]) == [refs[2], refs[2]]

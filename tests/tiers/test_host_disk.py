@@ -12,7 +12,7 @@ K = [bytes([i]) * 16 for i in range(8)]
 
 
 def _block(seed: int) -> bytes:
-    return get_codec("raw").encode(torch.full((1, 2, 1, 4, 4), float(seed)))
+    return get_codec("raw").encode(torch.full((1, 2, 1, 4, 4), float(seed)), bytes(16))
 
 
 SIZE = len(_block(0))

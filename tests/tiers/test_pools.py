@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import xxhash
 
 from kvtier.codecs import get_codec
 from kvtier.errors import UserError
@@ -24,9 +25,10 @@ pytestmark = pytest.mark.services
 CODEC = get_codec("raw")
 
 
-def _block(seed: int, tokens: int = 16) -> bytes:
+def _block(seed: int, key: bytes = bytes(16), tokens: int = 16) -> bytes:
+    """A block bound to `key` (the manager refuses a block read under another key)."""
     g = torch.Generator().manual_seed(seed)
-    return CODEC.encode(torch.randn((2, 2, 2, tokens, 8), generator=g))
+    return CODEC.encode(torch.randn((2, 2, 2, tokens, 8), generator=g), key)
 
 
 SIZE = len(_block(0))
@@ -34,7 +36,7 @@ SIZE = len(_block(0))
 
 def _keys(tag: str, n: int) -> list[bytes]:
     """Unique per test, so tests sharing one session service never see each other's blocks."""
-    return [f"{tag}-{time.monotonic_ns()}-{i}".encode().ljust(16, b".")[:32] for i in range(n)]
+    return [xxhash.xxh3_128(f"{tag}-{time.monotonic_ns()}-{i}".encode()).digest() for i in range(n)]
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> bool:
@@ -51,9 +53,9 @@ def test_round_trip_batched(pool_service):
     keys = _keys("rt", 6)
     assert tier.healthy
     assert tier.contains_many(keys) == [False] * 6
-    assert tier.put_many([(k, _block(i)) for i, k in enumerate(keys[:4])]) == []
+    assert tier.put_many([(k, _block(i, k)) for i, k in enumerate(keys[:4])]) == []
     assert tier.contains_many(keys) == [True] * 4 + [False] * 2
-    assert tier.get_many(keys) == [_block(0), _block(1), _block(2), _block(3), None, None]
+    assert tier.get_many(keys) == [_block(i, keys[i]) for i in range(4)] + [None, None]
     assert tier.stats.hits == 4 and tier.stats.misses == 2 and tier.stats.bytes_read == 4 * SIZE
     assert tier.delete(keys[0]) and tier.contains_many(keys[:1]) == [False]
     tier.close()
@@ -64,11 +66,11 @@ def test_another_server_sees_the_blocks(pool_service, tmp_path):
     a = build_manager(["dram:1MiB", pool_service.spec], slot_bytes=SIZE)
     b = build_manager(["dram:1MiB", pool_service.spec], slot_bytes=SIZE)
     keys = _keys("share", 3)
-    a.put_many([(k, _block(i)) for i, k in enumerate(keys)])
+    a.put_many([(k, _block(i, k)) for i, k in enumerate(keys)])
     a.flush()
     pool_name = b.tiers[1].name
     assert b.lookup(keys) == [pool_name] * 3
-    assert b.get_prefix(keys) == [_block(i) for i in range(3)]
+    assert b.get_prefix(keys) == [_block(i, keys[i]) for i in range(3)]
     assert b.lookup(keys) == ["dram"] * 3  # promoted into B's DRAM
     a.close(), b.close()
 
@@ -81,23 +83,38 @@ def test_another_process_sees_the_blocks(pool_service):
         "from kvtier.tiers import make_tier\n"
         "t = make_tier(sys.argv[1], slot_bytes=1)\n"
         "g = torch.Generator().manual_seed(0)\n"
-        "blocks = [get_codec('raw').encode(torch.randn((2, 2, 2, 16, 8), generator=g.manual_seed(i))) for i in range(2)]\n"
-        "t.put_many(list(zip([bytes.fromhex(h) for h in sys.argv[2:]], blocks)))\n"
+        "keys = [bytes.fromhex(h) for h in sys.argv[2:]]\n"
+        "blocks = [get_codec('raw').encode(torch.randn((2, 2, 2, 16, 8), generator=g.manual_seed(i)), keys[i]) for i in range(2)]\n"
+        "t.put_many(list(zip(keys, blocks)))\n"
         "t.close()\n")
     subprocess.run([sys.executable, "-c", code, pool_service.spec, *[k.hex() for k in keys]], check=True, timeout=60)
     tier = make_tier(pool_service.spec, slot_bytes=SIZE)
-    assert tier.get_many(keys) == [_block(0), _block(1)]
+    assert tier.get_many(keys) == [_block(0, keys[0]), _block(1, keys[1])]
     tier.close()
 
 
 def test_corrupt_pool_block_is_a_miss_and_deleted(pool_service):
     m = build_manager([pool_service.spec], slot_bytes=SIZE)
     keys = _keys("bad", 2)
-    bad = bytearray(_block(1))
+    bad = bytearray(_block(1, keys[1]))
     bad[-3] ^= 0x10
-    m.tiers[0].put_many([(keys[0], _block(0)), (keys[1], bytes(bad))])
-    assert m.get_prefix(keys) == [_block(0)]
+    m.tiers[0].put_many([(keys[0], _block(0, keys[0])), (keys[1], bytes(bad))])
+    assert m.get_prefix(keys) == [_block(0, keys[0])]
     assert m.tiers[0].stats.corrupt == 1 and m.tiers[0].contains_many(keys) == [True, False]
+    m.close()
+
+
+def test_pool_value_written_under_another_key_is_never_served(pool_service):
+    """An intact block stored under the wrong key (a buggy or hostile writer sharing the pool) is
+    foreign: a miss, deleted, counted as corrupt and not as a hit; the prefix ends before it."""
+    m = build_manager([pool_service.spec], slot_bytes=SIZE)
+    keys = _keys("foreign", 3)
+    m.tiers[0].put_many([(keys[0], _block(0, keys[0])), (keys[1], _block(2, keys[2])),
+                         (keys[2], _block(2, keys[2]))])
+    hits_before = m.tiers[0].stats.hits
+    assert m.get_prefix(keys) == [_block(0, keys[0])]
+    assert m.tiers[0].stats.hits - hits_before == 2  # the foreign read is not a hit
+    assert m.tiers[0].stats.corrupt == 1 and m.tiers[0].contains_many(keys) == [True, False, True]
     m.close()
 
 
@@ -115,20 +132,20 @@ def test_pool_dies_mid_run_and_comes_back(kind, tmp_path, monkeypatch):
         pool = make_tier(service.spec, slot_bytes=SIZE)
         m = TierManager([dram, pool, ssd])
         keys = _keys("fault", 6)
-        m.put_many([(k, _block(i)) for i, k in enumerate(keys[:3])])
+        m.put_many([(k, _block(i, k)) for i, k in enumerate(keys[:3])])
         m.flush()
         assert pool.contains_many(keys[:3]) == [True] * 3
         service.kill()
-        m.put_many([(k, _block(i)) for i, k in enumerate(keys[3:], start=3)])  # must not raise
+        m.put_many([(k, _block(i, k)) for i, k in enumerate(keys[3:], start=3)])  # must not raise
         m.flush()
         # every block is still served, from DRAM (the last two) or the SSD; the dead pool is skipped
-        assert m.get_prefix(keys) == [_block(i) for i in range(6)]
+        assert m.get_prefix(keys) == [_block(i, keys[i]) for i in range(6)]
         assert not pool.healthy and pool.stats.errors >= 1
         assert ssd.contains_many(keys) == [True] * 6
         service.start()
         assert _wait(lambda: (m.lookup(keys[:1]), pool.healthy)[1])
         new = _keys("after", 1)
-        m.put_many([(new[0], _block(9))])
+        m.put_many([(new[0], _block(9, new[0]))])
         m.flush()
         assert pool.contains_many(new) == [True]
         m.close()
@@ -141,9 +158,9 @@ def test_pool_down_at_start_is_an_unhealthy_tier_not_an_error(spec, tmp_path):
     m = build_manager(["dram:1MiB", spec.format(port=free_port())], slot_bytes=SIZE)
     assert not m.tiers[1].healthy
     keys = _keys("down", 2)
-    m.put_many([(k, _block(i)) for i, k in enumerate(keys)])
+    m.put_many([(k, _block(i, k)) for i, k in enumerate(keys)])
     m.flush()
-    assert m.get_prefix(keys) == [_block(0), _block(1)]
+    assert m.get_prefix(keys) == [_block(0, keys[0]), _block(1, keys[1])]
     m.close()
 
 

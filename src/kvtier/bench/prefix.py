@@ -9,9 +9,11 @@ Protocol (one process, one run, the same model and prompt):
    creation to the first token's logits; medians are reported. SSD reads are cold: the block files
    are dropped from the page cache (posix_fadvise DONTNEED) before each request.
 3. restore bandwidth = restored KV bytes / `load_prefix` time (lookup + verified get + decode + copy
-   into the layer buffers), against the raw medium moving the same bytes in the same run: a numpy
-   memcpy (DRAM), a cold sequential read of one file (SSD), the backend's own batched get of the
-   same keys (Mooncake `get_batch`, Redis `MGET`).
+   into the layer buffers), against the raw medium moving the same bytes in the same run: a warm
+   numpy memcpy between pre-touched buffers, best of several (DRAM), a cold sequential read of one
+   file (SSD), the backend's own batched get of the same keys (Mooncake `get_batch`, Redis `MGET`).
+Targets (issue 13): DRAM restore >= 80% of memcpy, SSD >= 70% of the cold read, pools >= 80% of
+their raw get; a DRAM hit's TTFT >= 100x recompute's. `--json` prints one object per source.
 Pool tiers use the given URLs, or local services on 127.0.0.1 started (and stopped) by the run.
 """
 
@@ -45,6 +47,20 @@ class PrefixRow:
     @property
     def restore_fraction(self) -> float:
         return self.restore_gb_s / self.raw_gb_s if self.raw_gb_s else 0.0
+
+    @property
+    def target_fraction(self) -> float | None:
+        """The restore / raw fraction this source should reach (None: recompute)."""
+        return {"recompute": None, "dram": 0.8, "ssd": 0.7}.get(self.tier, 0.8)
+
+    def to_dict(self) -> dict:
+        target = self.target_fraction
+        return {"source": self.tier, "prefix_tokens": self.prefix_tokens, "cached_tokens": self.cached_tokens,
+                "ttft_s": self.ttft_s, "speedup": self.speedup, "restore_gbps": self.restore_gb_s,
+                "raw_gbps": self.raw_gb_s, "restore_fraction": self.restore_fraction,
+                "target_fraction": target,
+                "bandwidth_target_met": None if target is None else self.restore_fraction >= target,
+                "ttft_target_met": self.speedup >= 100 if self.tier == "dram" else None}
 
 
 def _first_token(loaded, ids: torch.Tensor, cache: TieredCache) -> tuple[int, float, float]:
@@ -100,14 +116,15 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
 
 # -- the raw media, moving the same bytes ---------------------------------------------------------
 def raw_memcpy_gb_s(num_bytes: int, repeats: int) -> float:
+    """The physical limit, measured warm: both buffers pre-touched, the best of several copies."""
     src = np.ones(num_bytes, dtype=np.uint8)
-    times = []
-    for _ in range(repeats):
+    dst = np.zeros(num_bytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(max(repeats, 5)):
         start = time.perf_counter()
-        dst = src.copy()  # a fresh destination, as a restore allocates its layer buffers
-        times.append(time.perf_counter() - start)
-        del dst
-    return num_bytes / statistics.median(times) / 1e9
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
 
 
 def raw_file_read_gb_s(directory: Path, num_bytes: int, repeats: int) -> float:
@@ -145,17 +162,20 @@ def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, rep
 
 def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POOL_TIERS), repeats: int = 3,
         block_tokens: int = 256, ssd_dir: str | None = None, pool_urls: dict[str, str] | None = None,
-        progress=print) -> list[PrefixRow]:
-    """The whole benchmark on SmolLM2 and tinyshakespeare; one row per tier plus recompute."""
+        progress=print, model: str = "smollm2") -> list[PrefixRow]:
+    """The whole benchmark on SmolLM2 (or `model`) and tinyshakespeare; one row per tier plus recompute."""
     from kvtier import models, services
     from kvtier.codecs import get_codec
     from kvtier.data import SHAKESPEARE, shared_data_file
     from kvtier.manager import build_manager
 
     pool_urls = dict(pool_urls or {})
-    loaded = models.load("smollm2")
+    loaded = models.load(model)
     text = shared_data_file(SHAKESPEARE).read_text()[:prefix_tokens * 8]
-    ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, :prefix_tokens + 1]
+    if loaded.tokenizer is None:  # byte-level tiny models
+        ids = torch.tensor([list(text.encode())[:prefix_tokens + 1]])
+    else:
+        ids = loaded.tokenizer(text, return_tensors="pt").input_ids[:, :prefix_tokens + 1]
     progress(f"recompute: prefill of {ids.shape[1]} tokens × {repeats}")
     token, recompute_s = measure_recompute(loaded, ids, repeats)
     rows = [PrefixRow("recompute", prefix_tokens, 0, recompute_s, 1.0)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvtier.codecs.codec import Codec
 from kvtier.codecs.fp8 import Fp8Scheme
-from kvtier.codecs.header import ZSTD_SUFFIX, CorruptBlockError, Header, verify
+from kvtier.codecs.header import ZSTD_SUFFIX, CorruptBlockError, ForeignBlockError, Header, verify
 from kvtier.codecs.kivi import IntScheme
 from kvtier.codecs.raw import RawScheme
 from kvtier.errors import UserError
@@ -25,4 +25,4 @@ def get_codec(name: str) -> Codec:
     return Codec(_SCHEMES[base](), use_zstd=name.endswith(ZSTD_SUFFIX))
 
 
-__all__ = ["CODEC_NAMES", "Codec", "CorruptBlockError", "Header", "get_codec", "verify"]
+__all__ = ["CODEC_NAMES", "Codec", "CorruptBlockError", "ForeignBlockError", "Header", "get_codec", "verify"]

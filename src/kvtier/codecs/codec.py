@@ -29,7 +29,8 @@ class Scheme(Protocol):
 
 
 class Codec:
-    """encode(kv [L, 2, H, T, D]) -> header + payload bytes; decode(buf) -> kv, verified first."""
+    """encode(kv [L, 2, H, T, D], key) -> header + payload bytes bound to `key`; decode(buf, key) -> kv,
+    verified first (`decode_verified` for a block the tier manager has already verified)."""
 
     def __init__(self, scheme: Scheme, use_zstd: bool = False) -> None:
         self.scheme = scheme
@@ -40,7 +41,7 @@ class Codec:
     def __repr__(self) -> str:
         return f"Codec({self.name!r})"
 
-    def encode(self, kv: torch.Tensor) -> bytes:
+    def encode(self, kv: torch.Tensor, key: bytes) -> bytes:
         dtype = _check_kv(kv)
         parts = [_byte_view(p) for p in self.scheme.encode_parts(kv.detach())]
         flags = 0
@@ -56,11 +57,17 @@ class Codec:
             checksum.update(part)
         hdr = Header(self.name, dtype, tuple(kv.shape), sum(len(p) for p in parts), checksum.intdigest(),
                      flags, self.scheme.group_tokens, self.scheme.group_size)
-        return b"".join((header.pack(hdr), *parts))
+        return b"".join((header.pack(hdr, key), *parts))
 
-    def decode(self, buf: bytes | memoryview, device: torch.device | str | None = None) -> torch.Tensor:
-        """Verify, then decode. A corrupt, truncated or foreign block raises CorruptBlockError."""
-        hdr = header.verify(buf)
+    def decode(self, buf: bytes | memoryview, key: bytes, device: torch.device | str | None = None) -> torch.Tensor:
+        """Verify, then decode. A corrupt, truncated or foreign block (another key's, another codec's)
+        raises CorruptBlockError."""
+        return self.decode_verified(header.verify(buf, key), buf, device)
+
+    def decode_verified(self, hdr: Header, buf: bytes | memoryview,
+                        device: torch.device | str | None = None) -> torch.Tensor:
+        """Decode a block whose `header.verify` (checksums, key) already passed and gave `hdr`: each
+        payload is checksummed once on its way up. The codec and its parameters are still checked."""
         params = (self.scheme.group_tokens, self.scheme.group_size)
         if hdr.codec != self.name or (hdr.group_tokens, hdr.group_size) != params:
             raise CorruptBlockError(f"foreign block: codec {hdr.codec!r} groups {hdr.group_tokens}/{hdr.group_size}, "

@@ -3,12 +3,17 @@
 Layout (little-endian, 64 bytes, so the payload starts 64-byte aligned within the block):
     magic "KVTB" | version u16 | codec id u16 | flags u16 | dtype id u16 | group_tokens u16 |
     group_size u16 | shape 5 x u32 ([L, 2, H, T, D]; T = the block's real token count, before any
-    padding to a quantization group) | reserved u32 | payload length u64 | payload xxh3_64 u64 |
-    header xxh3_64 u64 (over all the fields before it)
+    padding to a quantization group) | key tag u32 | payload length u64 | payload xxh3_64 u64 |
+    header xxh3_64 u64 (over the block's key, then all the fields before it)
 flags: bit 0 = the payload went through zstd ("+zstd" codecs), bit 1 = zstd did not shrink it and it
 is stored as is. The payload checksum covers the payload as stored (compressed, for zstd).
-A block whose magic, version, codec, lengths or checksums disagree is *corrupt*: it is never
-decoded into KV; the reader treats it as a miss and recomputes.
+
+Every block is bound to its key: the header checksum is seeded with the 16-byte block key (which
+itself chains the model, layout, codec, tenant and every token id of the prefix), and the key tag
+(its first 4 bytes) says early which key a block was written for. A block file copied over another,
+two blocks swapped, or a pool value written under another key fails `verify(buf, key)` although the
+block is internally intact. A block whose magic, version, codec, key, lengths or checksums disagree
+is *corrupt*: it is never decoded into KV; the reader treats it as a miss and recomputes.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.blocks import KEY_BYTES
+
 MAGIC = b"KVTB"
-VERSION = 2
+VERSION = 3  # 3: blocks bound to their keys (2 had a reserved field there)
 _FIELDS = struct.Struct("<4sHHHHHH5IIQQ")
 _CHECK = struct.Struct("<Q")
 HEADER_BYTES = _FIELDS.size + _CHECK.size
@@ -35,7 +42,11 @@ ZSTD_SUFFIX = "+zstd"
 
 
 class CorruptBlockError(ValueError):
-    """A stored block that fails verification (magic, version, codec, length or checksum)."""
+    """A stored block that fails verification (magic, version, codec, key, length or checksum)."""
+
+
+class ForeignBlockError(CorruptBlockError):
+    """An intact block that is not the one its key names (written for another key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,26 +65,39 @@ class Header:
         return self.shape[3]
 
 
-def pack(header: Header) -> bytes:
-    """The 64 header bytes for `header` (its payload_bytes/payload_checksum describe the payload)."""
+def _key_tag(key: bytes) -> int:
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a block key is {KEY_BYTES} bytes, got {len(key)}")
+    return int.from_bytes(key[:4], "little")
+
+
+def _header_checksum(key: bytes, fields: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(key)
+    h.update(fields)
+    return h.intdigest()
+
+
+def pack(header: Header, key: bytes) -> bytes:
+    """The 64 header bytes for `header` bound to `key` (payload_bytes/payload_checksum describe the payload)."""
     assert len(header.shape) == 5, header.shape
     base = header.codec.removesuffix(ZSTD_SUFFIX)
     fields = _FIELDS.pack(MAGIC, VERSION, CODEC_IDS[base], header.flags, DTYPE_IDS[header.dtype],
-                          header.group_tokens, header.group_size, *header.shape, 0,
+                          header.group_tokens, header.group_size, *header.shape, _key_tag(key),
                           header.payload_bytes, header.payload_checksum)
-    return fields + _CHECK.pack(xxhash.xxh3_64_intdigest(fields))
+    return fields + _CHECK.pack(_header_checksum(key, fields))
 
 
-def frame(codec: str, dtype: str, shape: tuple[int, ...], payload: bytes | memoryview, *,
+def frame(codec: str, dtype: str, shape: tuple[int, ...], payload: bytes | memoryview, key: bytes, *,
           flags: int = 0, group_tokens: int = 0, group_size: int = 0) -> bytes:
-    """header + payload, the payload checksummed (one copy of the payload)."""
+    """header (bound to `key`) + payload, the payload checksummed (one copy of the payload)."""
     hdr = Header(codec, dtype, tuple(shape), len(payload), xxhash.xxh3_64_intdigest(payload),
                  flags, group_tokens, group_size)
-    return b"".join((pack(hdr), payload))
+    return b"".join((pack(hdr, key), payload))
 
 
-def verify(buf: bytes | memoryview) -> Header:
-    """Check the header and the payload checksum without decoding; raise CorruptBlockError."""
+def verify(buf: bytes | memoryview, key: bytes) -> Header:
+    """Check that `buf` is the intact block stored under `key` (header, key binding and payload
+    checksum) without decoding it; raise CorruptBlockError (ForeignBlockError: another key's block)."""
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes, the header alone is {HEADER_BYTES}")
@@ -81,11 +105,15 @@ def verify(buf: bytes | memoryview) -> Header:
     magic, version, codec_id, flags, dtype_id, group_tokens, group_size, *rest = _FIELDS.unpack(fields)
     if magic != MAGIC:
         raise CorruptBlockError("not a kvtier block (bad magic)")
-    (header_sum,) = _CHECK.unpack(view[_FIELDS.size:HEADER_BYTES])
-    if xxhash.xxh3_64_intdigest(fields) != header_sum:
-        raise CorruptBlockError("header checksum mismatch")
     if version != VERSION:
         raise CorruptBlockError(f"unsupported block format version {version}")
+    key_tag = rest[5]
+    if key_tag != _key_tag(key):
+        raise ForeignBlockError(f"block was written for another key (tag {key_tag:08x}, "
+                                f"expected {_key_tag(key):08x})")
+    (header_sum,) = _CHECK.unpack(view[_FIELDS.size:HEADER_BYTES])
+    if _header_checksum(key, fields) != header_sum:
+        raise CorruptBlockError("header checksum mismatch (corrupt, or written for another key)")
     if codec_id not in _ID_TO_CODEC or dtype_id not in _ID_TO_DTYPE or flags & ~(FLAG_ZSTD | FLAG_STORED):
         raise CorruptBlockError(f"unknown codec id {codec_id}, dtype id {dtype_id} or flags {flags:#x}")
     shape, payload_bytes, payload_sum = tuple(rest[:5]), rest[6], rest[7]

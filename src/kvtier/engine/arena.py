@@ -11,7 +11,9 @@
   long — and is sealed into the arena when its last token is written. The budget reserves room for
   `max_num_seqs` such open blocks.
 
-The quantizers are `kvtier.codecs.quant`'s; the arena only lays their codes and scales out in
+One class per format: `RawArena`, `PerTokenArena` (fp8, int8), `KiviArena` (int4, int2); the
+quantized two share `QuantArena` (parts, plan, swaps) and `TokenQuantizer` (per-token layout). The
+quantizers are `kvtier.codecs.quant`'s; the arena only lays their codes and scales out in
 block slots. Every arena offers the same operations to the runner and the attention: `write` the
 new tokens of a step, `gather` a sequence's context at full precision, `end_step`, and whole-block
 copies for swapping (`read`/`write_copy`, the stored representation, so a swap is bit-exact) and
@@ -41,7 +43,7 @@ def arena_block_bytes(layout: KVLayout, codec: str) -> int:
 
 
 def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, device: torch.device | str = "cpu",
-               max_open_blocks: int = 0) -> "RawArena | QuantArena":
+               max_open_blocks: int = 0) -> "Arena":
     """The arena that fits `budget_bytes`; KIVI codecs first reserve `max_open_blocks` open blocks."""
     if codec not in ARENA_CODECS:
         raise ValueError(f"unknown device KV format {codec!r}: use one of {', '.join(ARENA_CODECS)}")
@@ -54,7 +56,8 @@ def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, devic
                          f"open blocks {codec} keeps (one per running sequence, {layout.block_bytes:,} bytes "
                          "each): lower max_num_seqs or block_tokens, or raise the budget")
     num_blocks = (budget_bytes - reserved) // arena_block_bytes(layout, codec)
-    return QuantArena(layout, num_blocks, device, codec, reserved)
+    arena_cls = KiviArena if codec in ("int4", "int2") else PerTokenArena
+    return arena_cls(layout, num_blocks, device, codec, reserved)
 
 
 def _parts(codec: str, h: int, t: int, d: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -161,30 +164,65 @@ class QuantCopy:
     staging: dict[int, torch.Tensor] = field(default_factory=dict)  # index in the copy -> [L, 2, H, T, D]
 
 
-class QuantArena:
-    """fp8 / int8 (per token, quantized on write) or KIVI int4 / int2 (sealed per full block).
+class TokenQuantizer:
+    """How a per-token format lays tokens out in an arena's parts: fp8 (one fp32 scale per token and
+    head) or int8 / KIVI values (an fp16 scale and min per token, head and channel group)."""
 
-    Every part is `[L, H, num_blocks, ...]`, so a sequence's blocks gather (`index_select` on the
-    block axis) straight into `[H, blocks × T, ...]` and dequantize without a transpose copy."""
+    def __init__(self, codec: str, head_dim: int) -> None:
+        self.fp8 = codec == "fp8"
+        self.bits = None if self.fp8 else int(codec[3:])
+        self.group = _value_group(codec, head_dim)
+
+    def store(self, parts: dict[str, torch.Tensor], kv: str, layer: int, block_ids: torch.Tensor,
+              offsets: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize tokens x [N, H, D] per token (and channel group) into their slots."""
+        x = x.transpose(0, 1)  # [H, N, D]: the parts' order
+        h, n, _ = x.shape
+        if self.fp8:
+            q = quant.quantize_fp8(x)
+            parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data
+            parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale
+            return
+        q = quant.quantize_groups(x, self.bits, -1, self.group)
+        parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data.view(h, n, -1)
+        parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale.view(h, n, -1)
+        parts[f"{kv}_zero"][layer][:, block_ids, offsets] = q.zero.view(h, n, -1)
+
+    def load(self, parts: dict[str, torch.Tensor], kv: str, layer: int, index: torch.Tensor,
+             shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor:
+        """[H, n × T, D] at `dtype` for the n blocks in `index` (shape = (H, T, D))."""
+        h, t, d = shape
+        n = index.numel()
+        codes = parts[f"{kv}_codes"][layer].index_select(1, index)
+        scale = parts[f"{kv}_scale"][layer].index_select(1, index)
+        if self.fp8:
+            return quant.dequantize(quant.Fp8Tensor(codes.view(h, n * t, d), scale.view(h, n * t, 1), dtype))
+        zero = parts[f"{kv}_zero"][layer].index_select(1, index)
+        groups = -(-d // self.group)  # groups of `group` channels: grouped [H, n T, D / group, group]
+        q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n * t, groups, 1), zero.view(h, n * t, groups, 1),
+                                  self.bits, -1, self.group, (h, n * t, d), dtype)
+        return quant.dequantize(q)
+
+
+class QuantArena:
+    """What the quantized formats share: parts `[L, H, num_blocks, ...]` (head-major, so a sequence's
+    blocks gather with one `index_select` on the block axis straight into `[H, blocks × T, ...]`),
+    the step's plan (the union of blocks read, dequantized once per layer), swaps of the stored form,
+    and full-precision whole blocks for the tiers. A format says how it writes tokens (`write`), which
+    of a sequence's blocks are read dequantized (`_planned`), how queries group (`_groups`), and how a
+    whole block is stored (`write_block`) and read back (`_dequantize`)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, codec: str,
                  reserved_bytes: int = 0) -> None:
         self.layout, self.num_blocks, self.device, self.codec = layout, num_blocks, device, codec
         self.reserved_bytes = reserved_bytes
         self.dtype = getattr(torch, layout.dtype)
-        self.kivi = codec in ("int4", "int2")
-        self.bits = None if codec == "fp8" else int(codec[3:])
         h, t, d = layout.num_kv_heads, layout.block_tokens, layout.head_dim
-        self.group = _value_group(codec, d)
-        if self.kivi and (d * self.bits % 8 or self.group * self.bits % 8):
-            raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
+        self.tokens = TokenQuantizer(codec, d)
         self.parts = {name: torch.zeros((layout.num_layers, h, num_blocks, *shape), dtype=dtype, device=device)
                       for name, (shape, dtype) in _parts(codec, h, t, d).items()}
-        # KIVI: block id -> per layer, [2, H, T, D] full-precision KV of a block still being filled (a block
-        # filled within a step keeps only the layer being computed: the transient cost of a prefill chunk is
-        # one layer of its blocks, not all of them)
+        # KIVI's open blocks, block id -> per layer [2, H, T, D] (see KiviArena); always empty per token
         self.staging: dict[int, list[torch.Tensor | None]] = {}
-        self._sealing: set[int] = set()
         self._plan: tuple[torch.Tensor, dict[int, tuple]] | None = None  # see begin_step
         self._decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}       # layer -> the union, decoded
 
@@ -195,14 +233,141 @@ class QuantArena:
     def context_index(self, block_table: torch.Tensor, context_tokens: int) -> torch.Tensor:
         return block_table
 
-    # -- the step's writes and reads -------------------------------------------------------------
+    # -- the step's reads --------------------------------------------------------------------------
+    def begin_step(self, seqs: list) -> None:
+        """A new step: the gathers of `seqs` are planned."""
+        self._make_plan(seqs)
+
+    def _planned(self, ids: list[int], context_tokens: int) -> list[int]:
+        """The blocks of a sequence's table read dequantized from the arena."""
+        return ids
+
+    def _make_plan(self, seqs: list) -> None:
+        """The union of the blocks the sequences read dequantized (decoded once per layer, not once per
+        sequence), in first-use order, and where each sequence's blocks sit in it — a token range when
+        they are consecutive there (no copy: the usual case), else row indices."""
+        t = self.layout.block_tokens
+        slot: dict[int, int] = {}
+        rows = {}
+        for seq in seqs:
+            ids = seq.index.tolist()
+            table = self._planned(ids, seq.context_tokens)
+            for b in table:
+                slot.setdefault(b, len(slot))
+            slots = [slot[b] for b in table]
+            first = slots[0] if slots else 0
+            if slots == list(range(first, first + len(slots))):
+                where = (first * t, len(slots) * t)
+            else:
+                blocks = torch.tensor(slots, dtype=torch.long)
+                where = (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device)
+            # the plan holds `seq` itself, so its id cannot be reused by another object during the step
+            rows[id(seq)] = (seq, where, ids)
+        self._plan = (torch.tensor(list(slot), dtype=torch.long, device=self.device), rows)
+        self._decoded = {}
+
+    def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(first query row, end row, keys, values) groups of `seq` (a `SeqSlice`); keys and values are
+        [H, context of the group's last query, D] at full precision."""
+        if self._plan is None or self._plan[1].get(id(seq), (None,))[0] is not seq:
+            self._make_plan([seq])  # a gather outside the step's plan (tests, tools)
+        if layer not in self._decoded:  # after this layer's writes: this step's tokens included
+            union = self._plan[0]
+            self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
+        _, where, ids = self._plan[1][id(seq)]
+        k_union, v_union = self._decoded[layer]
+        if isinstance(where, tuple):  # [H, blocks × T, D]
+            k_full, v_full = k_union.narrow(1, *where), v_union.narrow(1, *where)
+        else:
+            k_full, v_full = k_union.index_select(1, where), v_union.index_select(1, where)
+        return self._groups(layer, seq, ids, k_full, v_full)
+
+    def _groups(self, layer: int, seq, ids: list[int], k_full: torch.Tensor, v_full: torch.Tensor) -> list:
+        return [(0, seq.q_end - seq.q_start, k_full[:, :seq.context_tokens], v_full[:, :seq.context_tokens])]
+
+    def end_step(self) -> None:
+        self._plan, self._decoded = None, {}
+
+    def prune(self, is_live) -> None:
+        pass
+
+    # -- whole blocks ------------------------------------------------------------------------------
+    def read(self, block_ids: list[int]) -> QuantCopy:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        parts = {name: p.index_select(2, index).to("cpu") for name, p in self.parts.items()}
+        # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
+        staging = {i: torch.stack(self.staging[b]).to("cpu", copy=True) for i, b in enumerate(block_ids)
+                   if b in self.staging and all(x is not None for x in self.staging[b])}
+        return QuantCopy(parts, staging)
+
+    def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for name, p in self.parts.items():
+            p[:, :, index] = copy.parts[name].to(self.device)
+        for i, block_id in enumerate(block_ids):
+            self.staging.pop(block_id, None)
+            if i in copy.staging:
+                self.staging[block_id] = list(copy.staging[i].to(self.device).unbind(0))
+
+    def block_tensor(self, block_id: int) -> torch.Tensor:
+        """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""
+        index = torch.tensor([block_id], dtype=torch.long, device=self.device)
+        layers = [torch.stack([self._dequantize("k", layer, index), self._dequantize("v", layer, index)])
+                  for layer in range(self.layout.num_layers)]
+        return torch.stack(layers).cpu()
+
+    def _block_half(self) -> tuple[int, int, int]:
+        return self.layout.num_kv_heads, self.layout.block_tokens, self.layout.head_dim
+
+    def _dequantize(self, kv: str, layer: int, index: torch.Tensor) -> torch.Tensor:
+        """[H, n × T, D] at the model's dtype for the n blocks in `index`, in that order."""
+        if index.numel() == 0:
+            h, _, d = self._block_half()
+            return torch.empty((h, 0, d), dtype=self.dtype, device=self.device)
+        return self.tokens.load(self.parts, kv, layer, index, self._block_half(), self.dtype)
+
+
+class PerTokenArena(QuantArena):
+    """fp8 / int8: every token quantized as it is written, K and V per token and head; a gather is
+    one group, the whole context dequantized (this step's tokens too)."""
+
     def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor) -> None:
         self._decoded.pop(layer, None)
-        if not self.kivi:
-            for kv, x in (("k", keys), ("v", values)):
-                self._store_per_token(kv, layer, block_ids, offsets, x)
-            return
+        for kv, x in (("k", keys), ("v", values)):
+            self.tokens.store(self.parts, kv, layer, block_ids, offsets, x)
+
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        """Quantize one full block (a decoded tier block, [L, 2, H, T, D]) into its slot."""
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        t = self.layout.block_tokens
+        ids = torch.full((t,), block_id, dtype=torch.long, device=self.device)
+        offsets = torch.arange(t, device=self.device)
+        for layer in range(self.layout.num_layers):
+            for i, kv_name in enumerate("kv"):
+                self.tokens.store(self.parts, kv_name, layer, ids, offsets, kv[layer, i].transpose(0, 1))
+
+
+class KiviArena(QuantArena):
+    """KIVI int4 / int2: values per token (groups of 64 channels), keys per channel over the block's
+    T tokens — so a block is quantized ("sealed") only once it is full. The open block of a sequence
+    stays exact in `staging`; queries in block j attend to blocks < j dequantized and to block j
+    exact, one group per block, so a token sees the same KV however its prefill was chunked."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, codec: str,
+                 reserved_bytes: int = 0) -> None:
+        super().__init__(layout, num_blocks, device, codec, reserved_bytes)
+        self.bits = int(codec[3:])
+        d = layout.head_dim
+        if d * self.bits % 8 or self.tokens.group * self.bits % 8:
+            raise ValueError(f"{codec} needs head_dim * bits to be whole bytes (head_dim {d})")
+        # a block filled within a step keeps only the layer being computed: the transient cost of a
+        # prefill chunk is one layer of its blocks, not all of them
+        self._sealing: set[int] = set()
+
+    def write(self, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor) -> None:
+        self._decoded.pop(layer, None)
         t = self.layout.block_tokens
         ids = block_ids.tolist()
         touched = list(dict.fromkeys(ids))
@@ -231,56 +396,16 @@ class QuantArena:
             self._seal(layer, full, torch.stack([self.staging[b][layer] for b in full]))
 
     def begin_step(self, seqs: list) -> None:
-        """A new step: nothing is being sealed (a step that failed half-way left no end_step), and the
-        gathers of `seqs` are planned."""
+        """Nothing is being sealed (a step that failed half-way left no end_step); plan the gathers."""
         self._sealing.clear()
-        self._make_plan(seqs)
+        super().begin_step(seqs)
 
-    def _make_plan(self, seqs: list) -> None:
-        """The union of the blocks the sequences read dequantized (decoded once per layer, not once per
-        sequence), in first-use order, and where each sequence's blocks sit in it — a token range when
-        they are consecutive there (no copy: the usual case), else row indices."""
-        t = self.layout.block_tokens
-        slot: dict[int, int] = {}
-        rows = {}
-        for seq in seqs:
-            ids = seq.index.tolist()
-            table = ids[:(seq.context_tokens - 1) // t] if self.kivi else ids  # KIVI: the last block is exact
-            for b in table:
-                slot.setdefault(b, len(slot))
-            slots = [slot[b] for b in table]
-            first = slots[0] if slots else 0
-            if slots == list(range(first, first + len(slots))):
-                where = (first * t, len(slots) * t)
-            else:
-                blocks = torch.tensor(slots, dtype=torch.long)
-                where = (blocks[:, None] * t + torch.arange(t)).reshape(-1).to(self.device)
-            # the plan holds `seq` itself, so its id cannot be reused by another object during the step
-            rows[id(seq)] = (seq, where, ids)
-        self._plan = (torch.tensor(list(slot), dtype=torch.long, device=self.device), rows)
-        self._decoded = {}
+    def _planned(self, ids: list[int], context_tokens: int) -> list[int]:
+        return ids[:(context_tokens - 1) // self.layout.block_tokens]  # the last block is read exact
 
-    def gather(self, layer: int, seq) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """Per-token codecs: one group, the whole context dequantized (every token, this step's too, is
-        stored quantized). KIVI: one group per block the queries fall in — queries in block j attend to
-        blocks < j dequantized and to block j exact (its staging), so a token sees the same KV however
-        the prefill was chunked, as when decoding token by token."""
-        if self._plan is None or self._plan[1].get(id(seq), (None,))[0] is not seq:
-            self._make_plan([seq])  # a gather outside the step's plan (tests, tools)
-        if layer not in self._decoded:  # after this layer's writes: this step's tokens included
-            union = self._plan[0]
-            self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
-        _, where, ids = self._plan[1][id(seq)]
-        k_union, v_union = self._decoded[layer]
-        if isinstance(where, tuple):  # [H, blocks × T, D]
-            k_full, v_full = k_union.narrow(1, *where), v_union.narrow(1, *where)
-        else:
-            k_full, v_full = k_union.index_select(1, where), v_union.index_select(1, where)
+    def _groups(self, layer: int, seq, ids: list[int], k_full: torch.Tensor, v_full: torch.Tensor) -> list:
         t, context = self.layout.block_tokens, seq.context_tokens
-        num_q = seq.q_end - seq.q_start
-        if not self.kivi:
-            return [(0, num_q, k_full[:, :context], v_full[:, :context])]
-        first = context - num_q                      # position of the first query
+        first = context - (seq.q_end - seq.q_start)   # position of the first query
         groups = []
         for j in range(first // t, (context - 1) // t + 1):
             lo, hi = max(first, j * t), min(context, (j + 1) * t)
@@ -297,7 +422,7 @@ class QuantArena:
 
     def end_step(self) -> None:
         """Every layer of the blocks filled this step is sealed: drop their staging."""
-        self._plan, self._decoded = None, {}
+        super().end_step()
         for block_id in self._sealing:
             self.staging.pop(block_id, None)
         self._sealing.clear()
@@ -307,66 +432,15 @@ class QuantArena:
         for block_id in [b for b in self.staging if not is_live(b)]:
             del self.staging[block_id]
 
-    # -- whole blocks ------------------------------------------------------------------------------
-    def read(self, block_ids: list[int]) -> QuantCopy:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        parts = {name: p.index_select(2, index).to("cpu") for name, p in self.parts.items()}
-        # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
-        staging = {i: torch.stack(self.staging[b]).to("cpu", copy=True) for i, b in enumerate(block_ids)
-                   if b in self.staging and all(x is not None for x in self.staging[b])}
-        return QuantCopy(parts, staging)
-
-    def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for name, p in self.parts.items():
-            p[:, :, index] = copy.parts[name].to(self.device)
-        for i, block_id in enumerate(block_ids):
-            self.staging.pop(block_id, None)
-            if i in copy.staging:
-                self.staging[block_id] = list(copy.staging[i].to(self.device).unbind(0))
-
-    def block_tensor(self, block_id: int) -> torch.Tensor:
-        """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""
-        index = torch.tensor([block_id], dtype=torch.long, device=self.device)
-        layers = [torch.stack([self._dequantize("k", layer, index), self._dequantize("v", layer, index)])
-                  for layer in range(self.layout.num_layers)]
-        return torch.stack(layers).cpu()
-
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
-        """Quantize one full block (a decoded tier block, [L, 2, H, T, D]) into its slot."""
+        """Seal one full block (a decoded tier block, [L, 2, H, T, D]) into its slot."""
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.staging.pop(block_id, None)
-        t = self.layout.block_tokens
-        ids = torch.full((t,), block_id, dtype=torch.long, device=self.device)
-        offsets = torch.arange(t, device=self.device)
         for layer in range(self.layout.num_layers):
-            if self.kivi:
-                self._seal(layer, [block_id], kv[layer][None])
-            else:
-                for i, kv_name in enumerate("kv"):
-                    self._store_per_token(kv_name, layer, ids, offsets, kv[layer, i].transpose(0, 1))
-
-    # -- layout of codes and scales ------------------------------------------------------------------
-    def _block_half(self) -> tuple[int, int, int]:
-        return self.layout.num_kv_heads, self.layout.block_tokens, self.layout.head_dim
-
-    def _store_per_token(self, kv: str, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
-                         x: torch.Tensor) -> None:
-        """Quantize tokens x [N, H, D] per token (and channel group) into their slots."""
-        x = x.transpose(0, 1)  # [H, N, D]: the parts' order
-        h, n, _ = x.shape
-        if self.codec == "fp8":
-            q = quant.quantize_fp8(x)
-            self.parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data
-            self.parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale
-            return
-        q = quant.quantize_groups(x, self.bits, -1, self.group)
-        self.parts[f"{kv}_codes"][layer][:, block_ids, offsets] = q.data.view(h, n, -1)
-        self.parts[f"{kv}_scale"][layer][:, block_ids, offsets] = q.scale.view(h, n, -1)
-        self.parts[f"{kv}_zero"][layer][:, block_ids, offsets] = q.zero.view(h, n, -1)
+            self._seal(layer, [block_id], kv[layer][None])
 
     def _seal(self, layer: int, block_ids: list[int], kv: torch.Tensor) -> None:
-        """KIVI: quantize full blocks kv [n, 2, H, T, D] of one layer into their slots."""
+        """Quantize full blocks kv [n, 2, H, T, D] of one layer into their slots."""
         n, _, h, t, d = kv.shape
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         q = quant.quantize_groups(kv[:, 0].transpose(0, 1), self.bits, -2, t)  # [H, n, T, D], per channel
@@ -375,24 +449,19 @@ class QuantArena:
         self.parts["k_zero"][layer][:, index] = q.zero.view(h, n, 1, d)
         values = kv[:, 1].transpose(1, 2).reshape(n * t, h, d)  # [n*T, H, D], token-major like a write
         rows = index.repeat_interleave(t)
-        self._store_per_token("v", layer, rows, torch.arange(t, device=self.device).repeat(n), values)
+        self.tokens.store(self.parts, "v", layer, rows, torch.arange(t, device=self.device).repeat(n), values)
 
     def _dequantize(self, kv: str, layer: int, index: torch.Tensor) -> torch.Tensor:
-        """[H, n × T, D] at the model's dtype for the n blocks in `index`, in that order."""
-        h, t, d = self._block_half()
+        if kv == "v" or index.numel() == 0:
+            return super()._dequantize(kv, layer, index)
+        h, t, d = self._block_half()  # keys per channel over each block's T tokens: grouped [H, n, 1, T, D]
         n = index.numel()
-        if n == 0:
-            return torch.empty((h, 0, d), dtype=self.dtype, device=self.device)
-        codes = self.parts[f"{kv}_codes"][layer].index_select(1, index)
-        scale = self.parts[f"{kv}_scale"][layer].index_select(1, index)
-        if self.codec == "fp8":
-            return quant.dequantize(quant.Fp8Tensor(codes.view(h, n * t, d), scale.view(h, n * t, 1), self.dtype))
-        zero = self.parts[f"{kv}_zero"][layer].index_select(1, index)
-        if kv == "k" and self.kivi:  # per channel over each block's T tokens: grouped [H, n, 1, T, D]
-            q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n, 1, 1, d), zero.view(h, n, 1, 1, d),
-                                      self.bits, -2, t, (h, n, t, d), self.dtype)
-            return quant.dequantize(q).view(h, n * t, d)
-        groups = -(-d // self.group)  # per token, groups of `group` channels: grouped [H, n T, D / group, group]
-        q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n * t, groups, 1), zero.view(h, n * t, groups, 1),
-                                  self.bits, -1, self.group, (h, n * t, d), self.dtype)
-        return quant.dequantize(q)
+        codes = self.parts["k_codes"][layer].index_select(1, index)
+        scale = self.parts["k_scale"][layer].index_select(1, index)
+        zero = self.parts["k_zero"][layer].index_select(1, index)
+        q = quant.QuantizedTensor(codes.reshape(-1), scale.view(h, n, 1, 1, d), zero.view(h, n, 1, 1, d),
+                                  self.bits, -2, t, (h, n, t, d), self.dtype)
+        return quant.dequantize(q).view(h, n * t, d)
+
+
+Arena = RawArena | PerTokenArena | KiviArena

@@ -1,9 +1,13 @@
 """Attention over the paged device arena, plugged into transformers' `AttentionInterface`.
 
 The engine runs one flat batch per step: the new tokens of every scheduled sequence concatenated
-into `[1, N]`. Each attention layer calls `paged_attention`, which writes the new K/V into their
-slots of the arena (`kvtier.engine.arena`: raw or quantized) and runs SDPA per sequence over that
-sequence's gathered context at full precision (a causal mask offset by the tokens already computed).
+into `[1, N]`. The runner builds one `AttentionMetadata` per step (slot mapping, query ranges,
+sequence lengths, block tables, as vLLM's attention metadata); each attention layer calls
+`paged_attention`, which hands it to the step's `AttentionBackend`. `SDPABackend` — the CPU path,
+correct on any device — writes the new K/V into their slots of the arena (`kvtier.engine.arena`:
+raw or quantized) and runs SDPA per sequence over that sequence's gathered context at full
+precision (a causal mask offset by the tokens already computed). A paged CUDA kernel would be
+another backend reading the same metadata, with no gather and no change to the scheduler.
 The model module tree used here is a copy that shares the weights (`paged_model`), so the caller's
 model keeps its own attention implementation.
 """
@@ -13,12 +17,35 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's attention inputs, built once by the runner; backends read nothing else."""
+
+    slot_block_ids: torch.Tensor   # [N] block of each new token; with slot_offsets, the slot mapping
+    slot_offsets: torch.Tensor     # [N] its offset inside the block
+    query_start_loc: list[int]     # [S + 1] sequence s owns rows query_start_loc[s]:query_start_loc[s + 1]
+    seq_lens: list[int]            # [S] tokens each sequence attends to after this step (its context)
+    block_tables: list[torch.Tensor]  # [S] its block ids, as many as its context needs
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(Protocol):
+    def begin_step(self, meta: AttentionMetadata) -> None: ...
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                meta: AttentionMetadata, scaling: float | None) -> torch.Tensor: ...
+    def end_step(self) -> None: ...   # also after a failed forward
 
 
 @dataclass(slots=True)
@@ -29,34 +56,56 @@ class SeqSlice:
     context_tokens: int        # tokens attended to: already computed + this step's
 
 
+class SDPABackend:
+    """Write the step's K/V into the arena, gather each sequence's context at full precision, SDPA."""
+
+    def __init__(self, arena) -> None:
+        self.arena = arena
+        self._seqs: list[SeqSlice] = []
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        loc = meta.query_start_loc
+        self._seqs = [SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n)
+                      for i, (table, n) in enumerate(zip(meta.block_tables, meta.seq_lens))]
+        self.arena.begin_step(self._seqs)
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
+        # query: [1, Hq, N, D]; key/value: [1, H, N, D]
+        self.arena.write(layer, meta.slot_block_ids, meta.slot_offsets, key[0].transpose(0, 1),  # [N, H, D]
+                         value[0].transpose(0, 1))
+        num_heads = key.shape[1]
+        out = torch.empty_like(query)
+        for s in self._seqs:
+            for lo, hi, k, v in self.arena.gather(layer, s):  # k, v: [H, context of the group's last query, D]
+                q = query[:, :, s.q_start + lo:s.q_start + hi]
+                num_q, context = hi - lo, k.shape[1]
+                mask = None
+                if num_q > 1:  # query i sits at position context - num_q + i
+                    q_pos = torch.arange(context - num_q, context, device=q.device)
+                    mask = torch.arange(context, device=q.device)[None, :] <= q_pos[:, None]
+                out[:, :, s.q_start + lo:s.q_start + hi] = F.scaled_dot_product_attention(
+                    q, k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != num_heads)
+        return out
+
+    def end_step(self) -> None:
+        self._seqs = []
+        self.arena.end_step()
+
+
 @dataclass(slots=True)
-class PagedBatch:
-    arena: object              # a `kvtier.engine.arena` arena
-    slot_block_ids: torch.Tensor  # [N] block of each new token
-    slot_offsets: torch.Tensor    # [N] offset inside its block
-    seqs: list[SeqSlice]
+class PagedStep:
+    """What rides through the model's forward kwargs to every attention layer."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
 
 
 def paged_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                    scaling: float | None = None, dropout: float = 0.0, kvtier_batch: PagedBatch | None = None,
+                    scaling: float | None = None, dropout: float = 0.0, kvtier_step: PagedStep | None = None,
                     **kwargs):
-    # query: [1, Hq, N, D]; key/value: [1, H, N, D]
-    assert kvtier_batch is not None, "paged_attention runs only inside the kvtier engine"
-    batch, layer = kvtier_batch, module.layer_idx
-    batch.arena.write(layer, batch.slot_block_ids, batch.slot_offsets, key[0].transpose(0, 1),  # [N, H, D]
-                      value[0].transpose(0, 1))
-    num_heads = key.shape[1]
-    out = torch.empty_like(query)
-    for s in batch.seqs:
-        for lo, hi, k, v in batch.arena.gather(layer, s):  # k, v: [H, context of the group's last query, D]
-            q = query[:, :, s.q_start + lo:s.q_start + hi]
-            num_q, context = hi - lo, k.shape[1]
-            mask = None
-            if num_q > 1:  # query i sits at position context - num_q + i
-                q_pos = torch.arange(context - num_q, context, device=q.device)
-                mask = torch.arange(context, device=q.device)[None, :] <= q_pos[:, None]
-            out[:, :, s.q_start + lo:s.q_start + hi] = F.scaled_dot_product_attention(
-                q, k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != num_heads)
+    assert kvtier_step is not None, "paged_attention runs only inside the kvtier engine"
+    out = kvtier_step.backend.forward(module.layer_idx, query, key, value, kvtier_step.meta, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

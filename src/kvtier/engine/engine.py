@@ -1,16 +1,18 @@
 """`LLMEngine`: the synchronous core — schedule, move blocks, run, postprocess — nano-vllm style.
 
-The engine is the only caller of the tier manager while serving: each block is encoded and handed to
-the manager once, as soon as it is full and computed (`tier_writes="full"`, so another server sharing
-a pool sees a prefix while this one still holds it), or when the device evicts it (`"evict"`); admission
-pulls prefix blocks back up from the tiers (`_fetch_prefix`).
+The engine is the only caller of the tier manager while serving. The step thread only asks the
+tiers which blocks they hold (`TierManager.match`, at admission); every read, verify, decode, encode
+and write runs on the transfer worker (`engine/transfer.py`). Each block goes down once, as soon as
+it is full and computed (`tier_writes="full"`, so another server sharing a pool sees a prefix while
+this one still holds it), or when the device evicts it (`"evict"`); prefix blocks come back up while
+their sequence waits in WAITING_FOR_KV, and `step()` polls the finished loads into the arena.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-import torch
 
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
@@ -19,6 +21,7 @@ from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner
 from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
+from kvtier.engine.transfer import KVTransfer
 
 _MiB = 1 << 20
 
@@ -36,6 +39,7 @@ class EngineConfig:
     tier_writes: str = "full"       # "full": each block as soon as it is computed; "evict": when the device evicts it
     kv_codec: str = "raw"           # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
+    synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
 
     def __post_init__(self) -> None:
         if self.preemption not in ("swap", "recompute"):
@@ -73,6 +77,10 @@ class EngineStats:
     prefix_hit_tokens_by_tier: dict[str, int]
     kv_codec: str = "raw"           # the device arena's format
     device_block_bytes: int = 0     # bytes of one device block slot in that format
+    num_waiting_for_kv: int = 0     # admitted, their prefix being loaded from the tiers
+    step_tier_io_seconds: float = 0.0   # the step thread's time in tier calls (matches); the rest is on the worker
+    transfer_load_seconds: float = 0.0  # the transfer worker's time loading (read, verify, decode)
+    transfer_store_seconds: float = 0.0  # ... and storing (check, encode, put)
 
 
 class LLMEngine:
@@ -96,10 +104,12 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.arena.block_bytes,
             max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
-            prefix_caching=config.prefix_caching, fetch_prefix=self._fetch_prefix if manager is not None else None)
+            prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None)
+        self.transfer = (KVTransfer(manager, self.codec, synchronous=config.synchronous_transfers)
+                         if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
-        self.num_blocks_written_to_tiers = 0
+        self.step_tier_io_seconds = 0.0
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -142,8 +152,11 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._finish_loads()
         out = self.scheduler.schedule()
         self._move_blocks(out)
+        if not out.chunks and self.scheduler.loading:  # nothing to compute until a load is in
+            self._finish_loads(timeout_s=0.05)
         sampled = self.runner.run(out.chunks) if out.chunks else {}
         outputs = [self._output(seq) for seq in self.scheduler.postprocess(out, sampled)]
         newly_full = self.scheduler.take_newly_full()
@@ -164,27 +177,34 @@ class LLMEngine:
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
         for request_id, block_ids in out.swap_in:
             self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
-        for block_id, block in out.loads:
-            self.arena.write_block(block_id, block)
+        for job in out.loads:
+            self.transfer.load(job)
+
+    def _finish_loads(self, timeout_s: float = 0.0) -> None:
+        """Copy finished tier loads into the arena (on this thread: never during a forward) and let
+        the scheduler run their sequences. A load for a request aborted meanwhile is dropped."""
+        if self.transfer is None:
+            return
+        for done in self.transfer.poll(timeout_s):
+            if self.scheduler.finish_load(done.request_id, len(done.blocks), done.tiers) is None:
+                continue
+            for block_id, block in zip(done.block_ids, done.blocks):
+                self.arena.write_block(block_id, block)
 
     def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
-        """Encode device blocks and hand them to the manager (its worker writes them down). `skip_held`:
-        first ask the tiers, and write only the blocks none of them holds (dropped by a tier's LRU, or a
-        write that never landed: a tier that was down, a full write queue)."""
-        if self.manager is None or not blocks:
+        """Copy device blocks out of the arena and hand them to the transfer worker, which encodes and
+        writes them down. `skip_held`: the worker first asks the tiers and writes only the blocks none
+        holds (dropped by a tier's LRU, or a write that never landed: a tier that was down, a full queue)."""
+        if self.transfer is None or not blocks:
             return
-        if skip_held:
-            held = self.manager.contains_many([key for key, _ in blocks])
-            blocks = [block for block, is_held in zip(blocks, held) if not is_held]
-        items = [(key, self.codec.encode(self.arena.block_tensor(block_id))) for key, block_id in blocks]
-        if items:
-            self.manager.put_many(items)
-            self.num_blocks_written_to_tiers += len(items)
+        self.transfer.store([(key, self.arena.block_tensor(block_id)) for key, block_id in blocks], skip_held=skip_held)
 
-    def _fetch_prefix(self, keys: list[bytes]) -> tuple[list[torch.Tensor], list[str]]:
-        tiers = self.manager.lookup(keys)
-        payloads = self.manager.get_prefix(keys[:len(tiers)]) if tiers else []
-        return [self.codec.decode(buf) for buf in payloads], tiers[:len(payloads)]
+    def _match_tiers(self, keys: list[bytes]):
+        start = time.perf_counter()
+        try:
+            return self.manager.match(keys)
+        finally:
+            self.step_tier_io_seconds += time.perf_counter() - start
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.request_id, [seq.token_ids[-1]], seq.finish_reason is not None, seq.finish_reason,
@@ -198,18 +218,31 @@ class LLMEngine:
     # -- tiers and introspection -------------------------------------------------------------------
     def flush_to_tiers(self) -> int:
         """Write every cached device block to the tiers (e.g. before shutdown); returns how many."""
-        if self.manager is None:
+        if self.transfer is None:
             return 0
-        before = self.num_blocks_written_to_tiers
+        before = self.transfer.stats.num_blocks_written
         self._write_to_tiers(self.block_manager.cached_blocks(), skip_held=self.config.tier_writes == "full")
-        self.manager.flush()
-        return self.num_blocks_written_to_tiers - before
+        self.transfer.wait()
+        return self.transfer.stats.num_blocks_written - before
+
+    def wait_for_transfers(self) -> None:
+        """Until every tier load and store handed to the transfer worker has landed."""
+        if self.transfer is not None:
+            self.transfer.wait()
+
+    def close(self) -> None:
+        """Finish pending tier writes and stop the transfer worker (the manager stays open)."""
+        if self.transfer is not None:
+            self.transfer.close()
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
+        ts = self.transfer.stats if self.transfer is not None else None
         return EngineStats(len(s.running), len(s.waiting), len(s.swapped), bm.num_used_blocks,
-                           len(bm.cached_free), bm.num_blocks, s.num_preemptions, self.num_blocks_written_to_tiers,
-                           dict(s.prefix_hit_tokens_by_tier), self.arena.codec, self.arena.block_bytes)
+                           len(bm.cached_free), bm.num_blocks, s.num_preemptions,
+                           ts.num_blocks_written if ts else 0, dict(s.prefix_hit_tokens_by_tier), self.arena.codec,
+                           self.arena.block_bytes, len(s.loading), self.step_tier_io_seconds,
+                           ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
         """Run prompts to completion together; the generated token ids of each (offline use, tests)."""
@@ -220,6 +253,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             for output in self.step():
                 generated[output.request_id] += output.new_token_ids
+        self.wait_for_transfers()  # offline: finished means the blocks are down in the tiers too
         return [generated[request_id] for request_id in ids]
 
 

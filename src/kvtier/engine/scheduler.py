@@ -5,9 +5,13 @@ a new block and finds none preempts the youngest running sequence — swapping i
 or, as the baseline, dropping it to recompute later); running sequences still in prefill get a
 chunk of the prefill token budget; swapped sequences come back when their blocks fit again; then
 waiting requests are admitted, FIFO. Admission reuses the longest prefix found on the device, then
-asks the tiers (`fetch_prefix`) for the next blocks, so only the uncached rest is computed.
+asks the tiers which of the next blocks they hold (`match_tiers`: one batched lookup per tier, no
+data moved). With tier hits the sequence gets device blocks for them and waits in WAITING_FOR_KV
+while the engine's transfer worker loads them (a `LoadJob` in the output); `finish_load` registers
+what arrived and makes it RUNNING, so only the uncached rest is computed. The scheduler never waits
+on a tier read.
 
-The scheduler only decides; the engine carries out the `SchedulerOutput` (copies, tier writes,
+The scheduler only decides; the engine carries out the `SchedulerOutput` (copies, tier transfers,
 the forward) and hands the sampled tokens back to `postprocess`.
 """
 
@@ -20,9 +24,11 @@ from dataclasses import dataclass, field
 from kvtier.blocks import KeySpace, block_keys, chain_key
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.sequence import Sequence, SeqStatus
+from kvtier.engine.transfer import LoadJob
+from kvtier.manager import PrefixMatch
 
-# keys -> (decoded blocks [L, 2, H, T, D] of the longest cached prefix, tier name of each)
-FetchPrefix = Callable[[list[bytes]], tuple[list, list[str]]]
+# keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
+MatchTiers = Callable[[list[bytes]], PrefixMatch]
 
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
@@ -42,7 +48,7 @@ class SchedulerOutput:
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)   # (request id, block ids) -> host
     evicted: list[tuple[bytes, int]] = field(default_factory=list)        # cached blocks to write to the tiers
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)    # host -> (request id, block ids)
-    loads: list[tuple[int, object]] = field(default_factory=list)         # (block id, tier block) to write
+    loads: list[LoadJob] = field(default_factory=list)                    # tier blocks -> device blocks (async)
     recomputed: list[str] = field(default_factory=list)                   # request ids preempted by recompute
 
 
@@ -50,7 +56,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
                  max_prefill_tokens: int = 512, preemption: str = "swap", host_swap_blocks: int = 0,
                  max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
-                 prefix_caching: bool = True, fetch_prefix: FetchPrefix | None = None) -> None:
+                 prefix_caching: bool = True, match_tiers: MatchTiers | None = None) -> None:
         if preemption not in ("swap", "recompute"):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
         self.block_manager = block_manager
@@ -63,8 +69,9 @@ class Scheduler:
         self.max_model_tokens = max_model_tokens
         self.eos_token_ids = set(eos_token_ids)
         self.prefix_caching = prefix_caching
-        self.fetch_prefix = fetch_prefix if prefix_caching else None
+        self.match_tiers = match_tiers if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
+        self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV: blocks allocated, a load in flight
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_swapped_blocks = 0
@@ -78,6 +85,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
+        if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
+            seq = self.loading.pop(request_id)
+            self._finish(seq, "abort")
+            return seq
         for queue in (self.waiting, self.running, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
@@ -87,7 +98,12 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
+
+    @property
+    def num_active(self) -> int:
+        """Sequences holding device blocks for their whole prompt: running, or loading their prefix."""
+        return len(self.running) + len(self.loading)
 
     # -- schedule --------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -159,11 +175,11 @@ class Scheduler:
         seq.block_ids = []
 
     def _swap_in(self, out: SchedulerOutput) -> None:
-        while self.swapped and len(self.running) < self.max_num_seqs:
+        while self.swapped and self.num_active < self.max_num_seqs:
             seq = self.swapped[0]
             # keep a block per running sequence in reserve so the next decodes do not preempt it again
             num_blocks = -(-seq.num_tokens // self.block_tokens)
-            if not self.block_manager.can_allocate(num_blocks + len(self.running)):
+            if not self.block_manager.can_allocate(num_blocks + self.num_active):
                 return
             self.swapped.popleft()
             seq.block_ids = [self._allocate(out) for _ in range(num_blocks)]
@@ -177,17 +193,20 @@ class Scheduler:
 
     # -- admission -------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_active < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, out):
                 return
             self.waiting.popleft()
+            if seq.status is SeqStatus.WAITING_FOR_KV:
+                continue  # computes nothing until its tier blocks are in
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit."""
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit.
+        With blocks to load from the tiers it is parked in `loading` (WAITING_FOR_KV), else RUNNING."""
         bm, block_tokens = self.block_manager, self.block_tokens
         keys = block_keys(self._space(seq.namespace), seq.token_ids)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
@@ -195,30 +214,55 @@ class Scheduler:
         num_needed = -(-seq.num_tokens // block_tokens) - len(device_ids)
         num_revived = sum(1 for b in device_ids if bm.ref_counts[b] == 0)
         # keep a block per running sequence in reserve for their next decode
-        if bm.num_free_blocks - num_revived < num_needed + len(self.running):
+        if bm.num_free_blocks - num_revived < num_needed + self.num_active:
             return False
-        tier_blocks, tier_names = [], []
-        if self.fetch_prefix is not None and usable > len(device_ids):
-            tier_blocks, tier_names = self.fetch_prefix(keys[len(device_ids):usable])
+        match = None
+        if self.match_tiers is not None and usable > len(device_ids):
+            match = self.match_tiers(keys[len(device_ids):usable]) or None
         for block_id in device_ids:
             bm.acquire(block_id)
         new_ids = [self._allocate(out) for _ in range(num_needed)]
-        num_hit_blocks = len(device_ids) + len(tier_blocks)
-        for block_id, key, block in zip(new_ids, keys[len(device_ids):num_hit_blocks], tier_blocks):
-            out.loads.append((block_id, block))
-            bm.register(block_id, key)
         seq.block_ids = device_ids + new_ids
-        seq.block_keys = keys[:num_hit_blocks]
-        seq.num_computed_tokens = num_hit_blocks * block_tokens
+        seq.block_keys = keys[:len(device_ids)]
+        seq.num_computed_tokens = len(device_ids) * block_tokens
+        self._count_hits(seq, [DEVICE] * len(device_ids))
+        if match is not None:
+            out.loads.append(LoadJob(seq.request_id, match, new_ids[:len(match)]))
+            seq.status = SeqStatus.WAITING_FOR_KV
+            self.loading[seq.request_id] = seq
+        else:
+            self._start_running(seq)
+        return True
+
+    def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
+        """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
+        came back bad or missing: they are computed). Registers them and makes the sequence RUNNING;
+        None if the request was aborted meanwhile (its blocks may belong to another by now)."""
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            return None
+        keys = block_keys(self._space(seq.namespace), seq.token_ids[:(len(seq.block_keys) + num_loaded) * self.block_tokens])
+        for block_id, key in zip(seq.block_ids[len(seq.block_keys):], keys[len(seq.block_keys):]):
+            self.block_manager.register(block_id, key)
+        seq.block_keys = keys
+        seq.num_computed_tokens = len(keys) * self.block_tokens
+        self._count_hits(seq, tiers[:num_loaded])
+        self._start_running(seq)
+        return seq
+
+    def _start_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
-            for tier in [DEVICE] * len(device_ids) + tier_names:
-                seq.cached_tokens_by_tier[tier] = seq.cached_tokens_by_tier.get(tier, 0) + block_tokens
-                self.prefix_hit_tokens_by_tier[tier] = self.prefix_hit_tokens_by_tier.get(tier, 0) + block_tokens
-        return True
+
+    def _count_hits(self, seq: Sequence, tiers: list[str]) -> None:
+        if seq.admitted:  # hits are counted at a request's first admission only
+            return
+        for tier in tiers:
+            seq.cached_tokens_by_tier[tier] = seq.cached_tokens_by_tier.get(tier, 0) + self.block_tokens
+            self.prefix_hit_tokens_by_tier[tier] = self.prefix_hit_tokens_by_tier.get(tier, 0) + self.block_tokens
 
     def _space(self, namespace: str) -> KeySpace:
         if namespace not in self._spaces:

@@ -24,6 +24,7 @@ class SamplingParams:
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"    # not admitted, or preempted by recompute
+    WAITING_FOR_KV = "waiting_for_kv"  # holds device blocks; its cached prefix is being loaded from the tiers
     RUNNING = "running"    # holds device blocks
     SWAPPED = "swapped"    # its KV is in host memory
     FINISHED = "finished"

@@ -1,0 +1,121 @@
+"""The engine's tier I/O runs on the transfer worker: a sequence whose prefix is loading waits in
+WAITING_FOR_KV while the others keep stepping; every tier read and write happens off the step
+thread; an aborted load is dropped; results equal generate's."""
+
+import sys
+import threading
+from pathlib import Path
+
+from kvtier.codecs import get_codec
+from kvtier.engine import SamplingParams
+from kvtier.engine.sequence import SeqStatus
+from kvtier.manager import build_manager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_support import reference  # noqa: E402
+from test_engine import BLOCK, NEW, make_engine, run_all  # noqa: E402
+
+
+def _manager(model, tmp_path):
+    slot = get_codec("raw").max_encoded_bytes(model.kv_layout(BLOCK))
+    return build_manager(["dram:1MiB", f"ssd:{tmp_path}:64MiB"], slot_bytes=slot)
+
+
+def _gate_reads(tier) -> threading.Event:
+    """Make the tier's reads wait for the returned event (a slow pool or disk)."""
+    gate, get_many = threading.Event(), tier.get_many
+
+    def slow_get_many(keys):
+        assert gate.wait(30), "the test never opened the gate"
+        return get_many(keys)
+
+    tier.get_many = slow_get_many
+    return gate
+
+
+def _drain(engine, outputs):
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+
+def test_a_loading_sequence_waits_while_the_others_decode(tiny_model, tiny_prompts, tmp_path):
+    prompt, other = tiny_prompts[2], tiny_prompts[1]
+    expected = reference(tiny_model.model, prompt, NEW)
+    manager = _manager(tiny_model, tmp_path)
+    try:
+        assert run_all(make_engine(tiny_model, 64, manager), [prompt]) == [expected]
+        for key in list(manager.tiers[0]._key_to_slot):  # the prefix is on the SSD only
+            manager.tiers[0].delete(key)
+        gate = _gate_reads(manager.tiers[1])
+        engine = make_engine(tiny_model, 64, manager)
+        engine.add_request("other", other, SamplingParams(max_tokens=NEW))
+        engine.step()  # "other" is running
+        engine.add_request("cached", prompt, SamplingParams(max_tokens=NEW))
+        outputs: dict[str, list[int]] = {}
+        for _ in range(5):  # the SSD read is stuck: "cached" waits, "other" decodes a token per step
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        assert engine.scheduler.loading["cached"].status is SeqStatus.WAITING_FOR_KV
+        assert engine.stats().num_waiting_for_kv == 1
+        assert len(outputs["other"]) == 5 and "cached" not in outputs
+        gate.set()
+        _drain(engine, outputs)
+        assert outputs["cached"] == expected
+        assert engine.stats().prefix_hit_tokens_by_tier == {"ssd": 32}
+    finally:
+        manager.close()
+
+
+def test_an_aborted_load_is_dropped_and_its_blocks_reused(tiny_model, tiny_prompts, tmp_path):
+    prompt = tiny_prompts[2]
+    refs = [reference(tiny_model.model, p, NEW) for p in tiny_prompts[:3]]
+    manager = _manager(tiny_model, tmp_path)
+    try:
+        run_all(make_engine(tiny_model, 64, manager), [prompt])
+        gate = _gate_reads(manager.tiers[0])
+        engine = make_engine(tiny_model, 9, manager)  # 9 blocks: the aborted request's are needed again
+        engine.add_request("doomed", prompt, SamplingParams(max_tokens=NEW))
+        engine.step()
+        assert "doomed" in engine.scheduler.loading
+        assert engine.abort_request("doomed")
+        assert engine.block_manager.num_used_blocks == 0
+        for i, p in enumerate(tiny_prompts[:2]):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=NEW))
+        gate.set()  # the doomed load lands now, into blocks that belong to r0 / r1
+        outputs: dict[str, list[int]] = {}
+        _drain(engine, outputs)
+        assert [outputs["r0"], outputs["r1"]] == refs[:2]
+        assert "doomed" not in outputs
+    finally:
+        manager.close()
+
+
+def test_no_tier_io_on_the_step_thread_but_the_match(tiny_model, tiny_prompts, tmp_path):
+    """Reads, writes and the write-back check run on the worker threads; the step thread only asks
+    `contains` once per tier at admission (the match)."""
+    manager = _manager(tiny_model, tmp_path)
+    calls: list[tuple[str, str]] = []
+    for tier in manager.tiers:
+        for name in ("get_many", "put_many", "contains_many"):
+            method = getattr(tier, name)
+
+            def recorded(*args, _method=method, _name=name, **kwargs):
+                calls.append((_name, threading.current_thread().name))
+                return _method(*args, **kwargs)
+
+            setattr(tier, name, recorded)
+    try:
+        refs = [reference(tiny_model.model, p, NEW) for p in tiny_prompts[2:3]]
+        first = make_engine(tiny_model, 12, manager)  # small: evictions write back too
+        assert run_all(first, tiny_prompts[:3]) == [reference(tiny_model.model, p, NEW) for p in tiny_prompts[:3]]
+        first.flush_to_tiers()
+        second = make_engine(tiny_model, 64, manager)
+        assert run_all(second, tiny_prompts[2:3]) == refs
+        assert second.stats().prefix_hit_tokens_by_tier == {"dram": 32}
+        step_thread = threading.current_thread().name
+        on_step = {name for name, thread in calls if thread == step_thread}
+        assert on_step == {"contains_many"}
+        assert {name for name, _ in calls} == {"get_many", "put_many", "contains_many"}
+    finally:
+        manager.close()
