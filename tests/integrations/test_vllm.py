@@ -10,7 +10,6 @@ Every reply must equal vLLM alone's.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from pathlib import Path
 
@@ -18,12 +17,11 @@ import pytest
 
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout, block_keys
-from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import model_fingerprint
 from kvtier.services import MooncakePool, RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, VllmServer, wait_stable_count  # noqa: E402
+from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm, wait_stable_count  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -56,7 +54,7 @@ def pools(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(prompts, smollm2, tmp_path_factory) -> dict[str, dict]:
     """vLLM alone (its own device prefix cache only), on the checkpoint `smollm2` converted."""
-    with VllmServer(tmp_path_factory.mktemp("vllm") / "reference.log") as server:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "reference.log") as server:
         out = {name: server.complete(prompt) for name, prompt in prompts.items()}
         out["france"] = server.complete("The capital of France is", max_tokens=8)
     return out
@@ -71,7 +69,7 @@ def ssd_dir(tmp_path_factory):
 def stored(prompts, pools, ssd_dir, reference, tmp_path_factory) -> dict[str, dict]:
     """A first vLLM + kvtier process writes every prompt's blocks down all tiers, then exits."""
     tiers = ["dram:64MiB", f"ssd:{ssd_dir}:1GiB", pools["mooncake"].spec, pools["redis"].spec]
-    with VllmServer(tmp_path_factory.mktemp("vllm") / "first.log", tiers) as server:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "first.log", tiers) as server:
         out = {name: server.complete(prompt, cache_salt="tenant-a" if name == "salted" else None)
                for name, prompt in prompts.items() if name != "fresh"}
         num_blocks = sum(num_full_blocks(r) for r in out.values())
@@ -85,7 +83,7 @@ def stored(prompts, pools, ssd_dir, reference, tmp_path_factory) -> dict[str, di
 @pytest.fixture(scope="module")
 def second(stored, ssd_dir, tmp_path_factory):
     """A second process on the same SSD directory (and a DRAM tier of its own)."""
-    with VllmServer(tmp_path_factory.mktemp("vllm") / "second.log", ["dram:64MiB", f"ssd:{ssd_dir}:1GiB"]) as server:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "second.log", ["dram:64MiB", f"ssd:{ssd_dir}:1GiB"]) as server:
         yield server
 
 
@@ -143,8 +141,6 @@ def test_a_corrupted_block_file_is_recomputed(second, stored, ssd_dir, reference
 
 
 def test_a_block_file_replaced_by_another_blocks_is_recomputed(second, stored, ssd_dir, reference, prompts):
-    if "key" not in inspect.signature(get_codec("raw").encode).parameters:
-        pytest.skip("needs key-bound block headers (codec.encode(kv, key)): a swapped block passes its checksum")
     target = block_paths(ssd_dir, stored["replaced"])[4]
     target.write_bytes(block_paths(ssd_dir, stored["shared"])[4].read_bytes())  # a valid block, another key
     reply = second.complete(prompts["replaced"])
@@ -167,7 +163,7 @@ def test_two_salts_never_share_a_block(second, stored, ssd_dir, reference, promp
 def test_prefix_shared_through_the_pool_and_a_dead_pool_fails_no_request(stored, pools, reference, prompts,
                                                                            tmp_path_factory):
     tiers = ["dram:64MiB", pools["mooncake"].spec, pools["redis"].spec]
-    with VllmServer(tmp_path_factory.mktemp("vllm") / "pool.log", tiers) as server:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "pool.log", tiers) as server:
         reply = server.complete(prompts["pool_a"])
         assert reply["kvtier_hit_tokens"] == {"mooncake": loadable_tokens(stored["pool_a"])}
         assert reply["text"] == reference["pool_a"]["text"]

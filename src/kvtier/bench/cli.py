@@ -64,3 +64,7 @@ def register(app: typer.Typer) -> None:
     from kvtier.bench.serve import add_command as add_serve_command
 
     add_serve_command(bench)
+
+    from kvtier.bench.vllm import add_command as add_vllm_command
+
+    add_vllm_command(bench)

@@ -80,8 +80,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
             self._worker = WorkerSide(self._space.layout, codec, self._manager,
                                       max_pending_saves=config.max_pending_saves)
-        log.info("kvtier connector (%s): tiers %s, codec %s, layout %s", role.name.lower(), list(config.tiers),
-                 codec.name, self._space.layout.encode().decode())
+        log.info("kvtier connector (%s): tiers %s, codec %s, layout %s", role.name.lower(),
+                 [tier.name for tier in self._manager.tiers], codec.name, self._space.layout.encode().decode())
 
     @property
     def requires_kv_delivery(self) -> bool:

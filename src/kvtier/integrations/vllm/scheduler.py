@@ -46,7 +46,7 @@ class SchedulerSide:
             return 0
         keys = self._tracker(request).keys_for(tokens, num_blocks)[first:]
         try:
-            tiers = self.manager.lookup(keys)
+            tiers = self.manager.match(keys).tiers
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
             log.exception("kvtier: lookup failed; computing the prompt")
             return 0

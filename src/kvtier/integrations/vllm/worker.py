@@ -11,7 +11,6 @@ miss) rather than stall a step. No tier error ever reaches vLLM.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import queue
 import threading
@@ -47,7 +46,6 @@ class WorkerSide:
         self.codec = codec
         self.manager = manager
         self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
-        self._key_bound = "key" in inspect.signature(codec.encode).parameters
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
         self._done_loads: list[tuple[str, list[int]]] = []  # (req_id, block ids that failed)
@@ -76,10 +74,12 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> None:
         num_ok, tiers = 0, []
         try:
-            payloads, tiers = self._read(spec.keys)
+            # One batched contains + get per tier; each block proven to be the one its key names.
+            prefix = self.manager.read(self.manager.match(spec.keys))
+            tiers = prefix.tiers
             blocks = []
-            for key, data in zip(spec.keys, payloads):
-                kv = self._decode(data, key)
+            for key, hdr, data in zip(spec.keys, prefix.headers, prefix.payloads):
+                kv = self._decode(key, hdr, data)
                 if kv is None:
                     break
                 blocks.append(kv)
@@ -98,18 +98,9 @@ class WorkerSide:
             self._stats["loaded_blocks"] += num_ok
             self._stats["failed_blocks"] += len(failed)
 
-    def _read(self, keys: list[bytes]) -> tuple[list[bytes], list[str]]:
-        """Payloads of the longest held prefix of `keys`, and the tier each came from."""
-        if hasattr(self.manager, "match"):
-            prefix = self.manager.read(self.manager.match(keys))
-            return list(prefix.payloads), list(prefix.tiers)
-        tiers = self.manager.lookup(keys)  # TODO: drop with the manager's match/read (one round trip)
-        payloads = self.manager.get_prefix(keys[:len(tiers)])
-        return payloads, tiers[:len(payloads)]
-
-    def _decode(self, data: bytes, key: bytes) -> torch.Tensor | None:
+    def _decode(self, key: bytes, hdr, data: bytes) -> torch.Tensor | None:
         try:
-            kv = self.codec.decode(data, key) if self._key_bound else self.codec.decode(data)
+            kv = self.codec.decode_verified(hdr, data)
         except CorruptBlockError as exc:
             log.warning("kvtier: block %s rejected (%s); recomputing from it", key.hex()[:12], exc)
             return None
@@ -162,9 +153,7 @@ class WorkerSide:
         while (item := self._saves.get()) is not None:
             keys, kv = item
             try:
-                encode = (lambda i: self.codec.encode(kv[i], keys[i])) if self._key_bound else \
-                    (lambda i: self.codec.encode(kv[i]))
-                self.manager.put_many([(key, encode(i)) for i, key in enumerate(keys)])
+                self.manager.put_many([(key, self.codec.encode(kv[i], key)) for i, key in enumerate(keys)])
                 with self._lock:
                     self._stats["saved_blocks"] += len(keys)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request

@@ -1,0 +1,238 @@
+"""`kvtier bench vllm`: the chat workload of `kvtier bench serve` (or the Mooncake trace) through real
+vLLM's OpenAI API, on one device KV budget that cannot hold all conversations, side by side:
+
+- `vllm`: vLLM alone (its device prefix cache);
+- `vllm-kvtier-ssd`: vLLM + kvtier's connector on DRAM + SSD (a temporary directory);
+- `vllm-kvtier-pool`: vLLM + kvtier on DRAM + a local Mooncake pool (started here);
+- `vllm-example`: vLLM + its ExampleConnector (safetensors files per prompt);
+- `kvtier-serve`: kvtier's own engine with a DRAM tier, in this process, on the same budget.
+
+Each system replays the same requests (greedy, EOS ignored). Reported: TTFT p50/p99, ITL, tokens/s,
+cached prompt tokens by tier (device = vLLM's own prefix cache, from /metrics), failures, and whether
+every reply equals vLLM alone's (kvtier-serve is another engine: its text is not compared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from kvtier.bench.serve import SystemResult, Turn, Workload, _prompt, conversations, trace_requests
+
+SYSTEMS = ("vllm", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "kvtier-serve")
+
+
+async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens: int) -> str | None:
+    """One streamed greedy completion: TTFT and gaps into `result`; the reply text, None on failure."""
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    result.num_prompt_tokens += len(ids)
+    start = last = time.perf_counter()
+    ttft, itl, text, tokens = None, [], [], []
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if not choices or not (choices[0].get("text") or choices[0].get("token_ids")):
+                    continue
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    itl.append(now - last)
+                last = now
+                text.append(choices[0].get("text") or "")
+                tokens += choices[0].get("token_ids") or []
+    except Exception as exc:  # noqa: BLE001 - counted; the other users go on
+        result.num_failed += 1
+        result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+        return None
+    result.turns[key] = Turn(ttft or 0.0, itl, tokens)
+    return "".join(text)
+
+
+def _run_chat(url: str, tokenizer, convs, w: Workload, name: str) -> SystemResult:
+    import httpx
+
+    result = SystemResult(name=name, wall_s=0.0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+            async def user(u: int, passage: str, user_messages: list[str]) -> None:
+                replies: list[str] = []
+                for turn in range(len(user_messages)):
+                    ids = _prompt(tokenizer, passage, user_messages[:turn + 1], replies)
+                    text = await _stream(client, result, (u, turn), ids, w.max_tokens)
+                    if text is None:
+                        return
+                    replies.append(text)
+
+            await asyncio.gather(*(user(u, p, m) for u, (p, m) in enumerate(convs)))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _run_trace(url: str, reqs, name: str) -> SystemResult:
+    import httpx
+
+    result = SystemResult(name=name, wall_s=0.0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+            t0 = time.perf_counter()
+
+            async def one(i: int, r) -> None:
+                await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
+                await _stream(client, result, (i, 0), r.token_ids, r.max_tokens)
+
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
+    """Prompt tokens served from caches during the run, by where they were: vLLM's device prefix
+    cache, kvtier's tiers (the worker's own count), or another connector ("external")."""
+    def delta(name: str, **labels) -> float:
+        def total(m):
+            return sum(v for (n, ls), v in m.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+        return total(after) - total(before)
+
+    out = {"device": int(delta("vllm:prefix_cache_hits_total"))}
+    tiers = {dict(ls).get("tier") for (n, ls) in after if n == "kvtier:hit_tokens_total"}
+    for tier in sorted(t for t in tiers if t):
+        out[tier] = int(delta("kvtier:hit_tokens_total", tier=tier))
+    if not tiers:
+        out["external"] = int(delta("vllm:external_prefix_cache_hits_total"))
+    return {k: v for k, v in out.items() if v}
+
+
+def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int):
+    from kvtier.integrations.vllm.launch import VllmServer, kvtier_transfer_config
+    from kvtier.services import MooncakePool
+
+    if name == "vllm":
+        transfer = None
+    elif name == "vllm-kvtier-ssd":
+        transfer = kvtier_transfer_config(["dram:2GiB", f"ssd:{tmp / 'ssd'}:8GiB"])
+    elif name == "vllm-kvtier-pool":
+        pool = MooncakePool(tmp, segment="2GB", buffer="256MiB")
+        stack.callback(pool.kill)
+        pool.start()
+        transfer = kvtier_transfer_config(["dram:2GiB", pool.spec])
+    elif name == "vllm-example":
+        (tmp / "example").mkdir(exist_ok=True)
+        transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
+    else:
+        raise ValueError(f"unknown system {name!r}: use {', '.join(SYSTEMS)}")
+    return stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
+                                          extra_args=("--num-gpu-blocks-override", str(num_blocks))))
+
+
+def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
+        trace: bool = False, trace_requests_: int = 32, trace_start: int = 0, time_scale: float = 1.0,
+        log_dir: str | None = None) -> list[dict]:
+    from kvtier import models
+    from kvtier.bench import serve
+    from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
+    from kvtier.integrations.vllm.launch import BLOCK_TOKENS
+
+    w = workload or Workload(num_users=8, num_turns=4, max_tokens=24)
+    loaded = models.load("smollm2", device="cpu")
+    model_dir = models.cache_dir() / "smollm2-135m-instruct"
+    convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
+    reqs = trace_requests(shared_data_file(MOONCAKE_TRACE), num_requests=trace_requests_, start=trace_start,
+                          block_tokens=16, max_tokens=w.max_tokens, time_scale=time_scale,
+                          max_context=2048) if trace else None
+    num_blocks = device_kv_tokens // BLOCK_TOKENS
+    results: dict[str, SystemResult] = {}
+    for name in systems:
+        with tempfile.TemporaryDirectory(dir=log_dir) as tmp, ExitStack() as stack:
+            if name == "kvtier-serve":
+                budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
+                args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,
+                            tier_specs=["dram:2GiB"], preemption="swap")
+                results[name] = (serve.run_engine_trace(loaded, reqs, **args) if trace
+                                 else serve.run_engine(loaded, convs, w, **args))
+                continue
+            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks)
+            before = server.metrics()
+            results[name] = (_run_trace(server.url, reqs, name) if trace
+                             else _run_chat(server.url, loaded.tokenizer, convs, w, name))
+            results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, server.metrics())
+    reference = results.get("vllm")
+    rows = []
+    for name, result in results.items():
+        row = result.row(reference if name.startswith("vllm") and result is not reference else None)
+        row["same_text_as_vllm"] = row.pop("same_text_as_generate")
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| system | requests | failed | TTFT p50 | TTFT p99 | ITL p50 | tokens/s | wall | prompt tokens | "
+             "cached tokens by tier | same text as vLLM alone |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cached = ", ".join(f"{k}: {v:,}" for k, v in r["cached_tokens_by_tier"].items()) or "–"
+        same = {None: "–", True: "yes", False: "NO"}[r["same_text_as_vllm"]]
+        if r["system"] == "vllm":
+            same = "(reference)"
+        lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} s | "
+                     f"{r['ttft_p99_s']:.2f} s | {r['itl_p50_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | "
+                     f"{r['wall_s']:.0f} s | {r['prompt_tokens']:,} | {cached} | {same} |")
+    return "\n".join(lines)
+
+
+def add_command(bench) -> None:
+    """Register `kvtier bench vllm` on the `bench` typer group."""
+    import typer
+
+    @bench.command("vllm")
+    def vllm(users: int = typer.Option(8, min=1), turns: int = typer.Option(4, min=1),
+             context_chars: int = typer.Option(1200, min=1), turn_chars: int = typer.Option(160, min=1),
+             max_tokens: int = typer.Option(24, min=1),
+             device_kv_tokens: int = typer.Option(1088, min=32, help="vLLM's device KV budget (blocks of 32)"),
+             systems: str = typer.Option(",".join(SYSTEMS), help=", ".join(SYSTEMS)),
+             workload: str = typer.Option("chat", help="chat (multi-turn) or mooncake (the shared trace)"),
+             trace_requests_: int = typer.Option(32, "--trace-requests", min=1),
+             trace_start: int = typer.Option(0, min=0), time_scale: float = typer.Option(1.0),
+             json_out: bool = typer.Option(False, "--json"),
+             plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
+             log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)")) -> None:
+        """vLLM alone vs vLLM + kvtier (SSD, pool) vs vLLM + ExampleConnector vs kvtier serve, one budget."""
+        from kvtier.bench.serve import plot
+        from kvtier.errors import UserError
+
+        names = tuple(s.strip() for s in systems.split(","))
+        unknown = [n for n in names if n not in SYSTEMS]
+        if unknown or workload not in ("chat", "mooncake"):
+            raise UserError(f"unknown system(s) {unknown} or workload {workload!r}: systems {', '.join(SYSTEMS)}; "
+                            "workload chat or mooncake")
+        rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), systems=names,
+                   device_kv_tokens=device_kv_tokens, trace=workload == "mooncake", trace_requests_=trace_requests_,
+                   trace_start=trace_start, time_scale=time_scale, log_dir=log_dir)
+        if plot_path:
+            plot(rows, plot_path, f"kvtier bench vllm --workload {workload} (SmolLM2 fp32, {device_kv_tokens} "
+                                  "device KV tokens, this machine)")
+        if json_out:
+            print(json.dumps(rows))
+            return
+        print(render(rows))
+        for r in rows:
+            if r["first_error"]:
+                print(f"{r['system']}: first failure: {r['first_error']}")
