@@ -140,8 +140,10 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
                     "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
     else:
         raise ValueError(f"unknown system {name!r}: use {', '.join(SYSTEMS)}")
+    # vLLM refuses a context longer than its KV budget: the budget caps the model length too
     return stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
-                                          extra_args=("--num-gpu-blocks-override", str(num_blocks))))
+                                          extra_args=("--num-gpu-blocks-override", str(num_blocks)),
+                                          max_model_len=(num_blocks - 1) * 32))
 
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
@@ -162,7 +164,9 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     num_blocks = device_kv_tokens // BLOCK_TOKENS
     results: dict[str, SystemResult] = {}
     for name in systems:
-        with tempfile.TemporaryDirectory(dir=log_dir) as tmp, ExitStack() as stack:
+        with ExitStack() as stack:
+            tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
+                stack.enter_context(tempfile.TemporaryDirectory())
             if name == "kvtier-serve":
                 budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
                 args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,

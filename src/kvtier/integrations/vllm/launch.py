@@ -32,13 +32,13 @@ class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a local model directory (fp32, eager)."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, kv_transfer: dict | None = None,
-                 extra_args: tuple[str, ...] = (), kv_space_gib: int = 1) -> None:
+                 extra_args: tuple[str, ...] = (), kv_space_gib: int = 1, max_model_len: int = 2048) -> None:
         self.port = free_port()
         self.log_path = log_path
         self.kv_space_gib = kv_space_gib
         self.argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                      "--served-model-name", "smollm2", "--dtype", "float32", "--block-size", str(BLOCK_TOKENS),
-                     "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
                      *extra_args]
         if kv_transfer is not None:
             self.argv += ["--kv-transfer-config", json.dumps(kv_transfer)]

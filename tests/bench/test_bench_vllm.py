@@ -1,0 +1,31 @@
+"""`kvtier bench vllm` without starting vLLM: refused inputs, and the cached-token accounting from
+two /metrics scrapes (the runs themselves are in docs/BENCHMARKS.md; the connector's behaviour under
+real vLLM is tested in tests/integrations/test_vllm.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.vllm import _cached_tokens
+from kvtier.cli import main
+
+
+def test_an_unknown_system_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--systems", "vllm,vllm-kvtier-nvme"])
+    assert exc.value.code == 2
+    assert "vllm-kvtier-nvme" in capsys.readouterr().err
+
+
+def test_cached_tokens_are_the_run_s_metric_deltas_by_tier():
+    def sample(name, value, **labels):
+        return (name, tuple(sorted(labels.items()))), value
+
+    before = dict([sample("vllm:prefix_cache_hits_total", 100, engine="0"),
+                   sample("kvtier:hit_tokens_total", 64, engine="0", tier="ssd")])
+    after = dict([sample("vllm:prefix_cache_hits_total", 900, engine="0"),
+                  sample("kvtier:hit_tokens_total", 320, engine="0", tier="ssd"),
+                  sample("kvtier:hit_tokens_total", 96, engine="0", tier="dram")])
+    assert _cached_tokens(before, after) == {"device": 800, "dram": 96, "ssd": 256}
+    other = dict([sample("vllm:external_prefix_cache_hits_total", 640, engine="0")])
+    assert _cached_tokens({}, other) == {"external": 640}
