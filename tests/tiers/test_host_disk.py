@@ -1,5 +1,6 @@
 import errno
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -236,3 +237,37 @@ def test_disk_batched_read_keeps_order_and_survives_a_vanished_file(tmp_path):
     tier._path(K[2]).unlink()  # removed behind the tier's back (an operator, another process)
     assert tier.get_many([K[0], K[1], K[2], K[3], K[7], K[5]]) == [_block(0), _block(1), None, _block(3), None, _block(5)]
     assert tier.stats.errors == 1 and tier.contains_many([K[2]]) == [False]
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+def test_one_reader_and_one_writer_at_once_never_see_a_wrong_block(kind, tmp_path):
+    """The manager's two sides call a tier concurrently: the writer evicting as it goes, the reader
+    gets each block whole or a miss, never another key's block, and no error is counted."""
+    tier = HostTier(8 * SIZE, SIZE) if kind == "dram" else DiskTier(tmp_path, 8 * SIZE)
+    keys = [i.to_bytes(16, "little") for i in range(48)]
+    key_to_block = {key: _block(i) for i, key in enumerate(keys)}
+    failures = []
+
+    def write():
+        try:
+            for _ in range(3):
+                for key in keys:
+                    tier.put_many([(key, key_to_block[key])])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    num_hits = 0
+    while writer.is_alive() or not num_hits:
+        datas = tier.get_many(keys)
+        assert all(d is None or d == key_to_block[k] for k, d in zip(keys, datas))
+        num_hits += sum(d is not None for d in datas)
+        tier.contains_many(keys)
+    writer.join()
+    assert failures == [] and tier.stats.errors == 0
+    assert tier.num_blocks() == 8 and tier.used_bytes() == 8 * SIZE
+    held = [key for key, h in zip(keys, tier.contains_many(keys)) if h]
+    assert len(held) == 8 and tier.get_many(held) == [key_to_block[k] for k in held]
+    if kind == "ssd":  # every evicted file is gone: the index and the directory agree
+        assert sorted(p.name for p in tmp_path.glob("*/*.kvb")) == sorted(tier._path(k).name for k in held)

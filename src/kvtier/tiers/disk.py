@@ -14,8 +14,8 @@ seen (`os.statvfs`), and a tiny write goes through — a 2-byte write succeeds o
 take one more block.
 
 Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
-a short mutex; file I/O runs outside it. A key whose file is being written is not there yet for
-readers (`_writing`).
+a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
+is neither held nor adoptable meanwhile, so a lookup never takes in a file that is about to go.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DiskTier:
         self.health = TierHealth(self.name)
         self._lru = LRUIndex(capacity_bytes)
         self._index_lock = threading.Lock()
-        self._writing: set[bytes] = set()
+        self._in_flux: set[bytes] = set()
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._scan()
         if self._read_only():
@@ -119,7 +119,7 @@ class DiskTier:
 
     def _holds(self, key: bytes) -> bool:
         with self._index_lock:
-            if key in self._writing:
+            if key in self._in_flux:
                 return False
             if key in self._lru:
                 return True
@@ -135,12 +135,25 @@ class DiskTier:
         except OSError:
             return False
         with self._index_lock:
-            victims = self._lru.insert(key, size, pinned=self._writing) or []
+            if key in self._in_flux:
+                return False
+            victims = self._insert(key, size) or []
             held = key in self._lru
+        self._evict(victims)
+        return held
+
+    def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]] | None:
+        """Index `key` (under the index lock); its victims are in flux until `_evict` removed their files."""
+        victims = self._lru.insert(key, size, pinned=self._in_flux)
+        self._in_flux.update(victim for victim, _ in victims or [])
+        return victims
+
+    def _evict(self, victims: list[tuple[bytes, int]]) -> None:
         for victim, _ in victims:
             self._remove(self._path(victim))
             self.stats.evictions += 1
-        return held
+        with self._index_lock:
+            self._in_flux.difference_update(victim for victim, _ in victims)
 
     @staticmethod
     def _read(path: Path) -> bytes | None:
@@ -179,7 +192,7 @@ class DiskTier:
         """An indexed file failed to read: removed behind our back or unreadable (an error, dropped
         from the index), or evicted by our own writer meanwhile (just a miss)."""
         with self._index_lock:
-            if key in self._writing or self._lru.pop(key) is None:
+            if key in self._in_flux or self._lru.pop(key) is None:
                 return
         self.stats.errors += 1
 
@@ -210,14 +223,12 @@ class DiskTier:
             if key in self._lru:
                 self._lru.touch(key)
                 return
-            victims = self._lru.insert(key, len(data), pinned=self._writing)
+            victims = self._insert(key, len(data))
             if victims is None:
                 return  # larger than the whole tier
-            self._writing.add(key)
+            self._in_flux.add(key)
         try:
-            for victim, _ in victims:
-                self._remove(self._path(victim))
-                self.stats.evictions += 1
+            self._evict(victims)
             self._write(self._path(key), data)
         except OSError as exc:
             with self._index_lock:
@@ -228,7 +239,7 @@ class DiskTier:
             self.stats.bytes_written += len(data)
         finally:
             with self._index_lock:
-                self._writing.discard(key)
+                self._in_flux.discard(key)
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -284,9 +295,12 @@ class DiskTier:
 
     def delete(self, key: bytes) -> bool:
         with self._index_lock:
-            if key in self._writing or self._lru.pop(key) is None:
+            if key in self._in_flux or self._lru.pop(key) is None:
                 return False
+            self._in_flux.add(key)
         self._remove(self._path(key))
+        with self._index_lock:
+            self._in_flux.discard(key)
         return True
 
     def used_bytes(self) -> int:

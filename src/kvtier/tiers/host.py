@@ -1,8 +1,9 @@
 """Host DRAM tier: one preallocated arena of fixed-size slots (pinned when CUDA is present).
 
 Metadata only in Python: `key_to_slot` and a free-slot stack of ints, slot lengths in a numpy
-array, recency in the shared `LRUIndex`. Payload bytes live in the arena tensor. One mutex covers
-each call (memory-speed work), so the manager's reader and writer may call at the same time.
+array, recency in the shared `LRUIndex`. Payload bytes live in the arena tensor. A mutex covers each
+block's bookkeeping and copy (memory-speed work), so the manager's reader and writer may call at the
+same time and neither waits longer than one block copy.
 
 A block larger than a slot is the caller's bug for that block: it is counted as an error and
 skipped, the tier stays up. Memory does not fail, but a tier that raised (a bug) is turned off by
@@ -58,18 +59,18 @@ class HostTier:
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         start = time.perf_counter()
         out: list[bytes | None] = []
-        with self._lock:
-            for key in keys:
+        for key in keys:
+            with self._lock:
                 slot = self._key_to_slot.get(key)
-                if slot is None:
-                    self.stats.misses += 1
-                    out.append(None)
-                    continue
-                self._lru.touch(key)
-                data = self._read(slot)
+                data = None if slot is None else self._read(slot)
+                if data is not None:
+                    self._lru.touch(key)
+            if data is None:
+                self.stats.misses += 1
+            else:
                 self.stats.hits += 1
                 self.stats.bytes_read += len(data)
-                out.append(data)
+            out.append(data)
         self.stats.read_seconds += time.perf_counter() - start
         return out
 
@@ -77,11 +78,12 @@ class HostTier:
         """Store blocks; returns the evicted (key, data), least recently used first."""
         start = time.perf_counter()
         evicted: list[tuple[bytes, bytes]] = []
-        with self._lock:
-            for key, data in items:
-                if len(data) > self.slot_bytes:
-                    self._oversize(len(data))
-                elif key in self._key_to_slot:
+        for key, data in items:
+            if len(data) > self.slot_bytes:
+                self._oversize(len(data))
+                continue
+            with self._lock:
+                if key in self._key_to_slot:
                     self._lru.touch(key)
                 else:
                     evicted += self._put(key, data)
