@@ -168,6 +168,20 @@ def test_pool_recovers_in_the_background_and_metrics_show_it(tmp_path):
         service.kill()
 
 
+def test_mooncake_put_and_get_beyond_the_transfer_buffer(mooncake_master):
+    """The client's transfer buffer (64 MiB here) is shared by a get and a put in flight together:
+    each moves at most half of it per call, so a 80 MiB put lands (it was refused whole with -600)."""
+    tier = make_tier(mooncake_master.spec, slot_bytes=1)
+    keys = _keys("big", 80)
+    blocks = [bytes([i]) * (1 << 20) for i in range(80)]
+    tier.put_many(list(zip(keys, blocks)))
+    assert tier.stats.errors == 0 and tier.stats.puts == 80
+    assert tier.get_many(keys) == blocks
+    for key in keys:
+        tier.delete(key)
+    tier.close()
+
+
 @pytest.mark.parametrize("spec", ["mooncake://127.0.0.1:{port}", "redis://127.0.0.1:{port}/0"])
 def test_pool_down_at_start_is_an_unhealthy_tier_not_an_error(spec, tmp_path):
     m = build_manager(["dram:1MiB", spec.format(port=free_port())], slot_bytes=SIZE)
