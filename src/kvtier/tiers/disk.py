@@ -223,6 +223,8 @@ class DiskTier:
             if key in self._lru:
                 self._lru.touch(key)
                 return
+            if key in self._in_flux:
+                return  # its old file is being removed (a lookup's eviction): skip it this time
             victims = self._insert(key, len(data))
             if victims is None:
                 return  # larger than the whole tier
