@@ -1,10 +1,20 @@
+import errno
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.codecs import get_codec
 from kvtier.manager import TierManager, build_manager
-from kvtier.tiers import DiskTier, HostTier
+from kvtier.tiers import Backoff, DiskTier, HostTier
+from kvtier.tiers.pool import KEY_PREFIX, PoolTier
+
+FAST = Backoff(start_s=0.02, max_s=0.16, stable_s=60.0)  # probes come quickly in tests
 
 K = [bytes([i]) * 16 for i in range(8)]
 
@@ -123,7 +133,7 @@ def test_namespaces_never_share_blocks(tmp_path):
 
 def test_full_write_queue_drops_instead_of_blocking(tmp_path):
     m = TierManager([HostTier(8 * SIZE, SIZE), DiskTier(tmp_path, 100 * SIZE)], max_pending_writes=1)
-    ssd_lock = m._locks[id(m.tiers[1])]
+    ssd_lock = m._write_locks[id(m.tiers[1])]
     ssd_lock.acquire()  # the writer cannot make progress while we hold the SSD tier's lock
     try:
         for i in range(4):
@@ -134,4 +144,134 @@ def test_full_write_queue_drops_instead_of_blocking(tmp_path):
         ssd_lock.release()
     m.flush()
     assert m.num_dropped_writes >= 2
+    m.close()
+
+
+def _wait(predicate, timeout_s: float = 10.0) -> bool:
+    """A bounded poll for the background retry thread (not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def _num_retry_threads() -> int:
+    return sum(t.name == "kvtier-retry" for t in threading.enumerate())
+
+
+def test_tier_raises_then_recovers_with_one_retry_thread(tmp_path, monkeypatch):
+    num_threads = _num_retry_threads()
+    m = TierManager([HostTier(4 * SIZE, SIZE), DiskTier(tmp_path, 100 * SIZE)], backoff=FAST)
+    dram, ssd = m.tiers
+    m.put_many([(K[0], _block(0))])
+    m.flush()
+
+    def bug(keys):
+        raise RuntimeError("a tier bug")
+
+    monkeypatch.setattr(dram, "contains_many", bug)
+    monkeypatch.setattr(dram, "reconnect", lambda: False)  # the bug is still there: probes fail
+    assert m.lookup([K[0]]) == ["ssd"]  # dram raised: turned off both ways, the ssd serves
+    assert dram.health.state == "down" and dram.stats.errors == 1
+    for _ in range(200):
+        assert m.lookup([K[0]]) == ["ssd"]
+    assert _num_retry_threads() == num_threads + 1
+    assert _wait(lambda: dram.health.backoff_s == FAST.max_s)  # probes failed in the background
+    monkeypatch.undo()  # fixed: the next probe brings dram back, contents intact
+    assert _wait(lambda: dram.health.healthy)
+    assert m.lookup([K[0]]) == ["dram"] and dram.health.num_transitions == 2
+    m.close()
+    assert _num_retry_threads() == num_threads  # close() stops it
+
+
+def test_oversize_block_does_not_disable_dram(tmp_path):
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    m.put_many([(K[0], _block(0) + b"x"), (K[1], _block(1))])
+    m.flush()
+    assert dram.health.healthy and dram.stats.errors == 1
+    assert dram.contains_many(K[:2]) == [False, True]
+    assert ssd.contains_many(K[:2]) == [True, True]  # the SSD has no slots: it takes the block
+    m.close()
+
+
+def test_full_disk_keeps_serving_reads_and_comes_back_only_with_room(tmp_path, monkeypatch):
+    m = TierManager([HostTier(SIZE, SIZE), DiskTier(tmp_path, 100 * SIZE)], backoff=FAST)
+    dram, ssd = m.tiers
+    m.put_many([(K[i], _block(i)) for i in range(3)])
+    m.flush()
+    real_write = DiskTier._write
+
+    def full(path, data):
+        if len(data) > 2:  # the 2-byte probe write still fits, a block does not
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(path, data)
+
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(full))
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_flag=0, f_bavail=SIZE // 2, f_frsize=1))
+    m.put_many([(K[3], _block(3))])
+    m.flush()
+    assert ssd.health.state == "read-only" and ssd.contains_many([K[3]]) == [False]
+    assert m.lookup(K[:4]) == ["ssd", "ssd", "ssd", "dram"]
+    assert m.get_prefix(K[:3]) == [_block(i) for i in range(3)]  # reads go on
+    assert _wait(lambda: ssd.health.backoff_s == FAST.max_s)  # the probe refused: not enough room
+    assert ssd.health.num_transitions == 1 and not ssd.health.writable  # never flapped back up
+    monkeypatch.undo()  # room again
+    assert _wait(lambda: ssd.health.healthy)
+    m.put_many([(K[4], _block(4))])
+    m.flush()
+    assert ssd.contains_many([K[4]]) == [True]
+    m.close()
+
+
+class _SlowBackend:
+    """An in-memory pool whose put blocks until released: the writer thread sits in it, holding the
+    tier's write lock."""
+
+    def __init__(self) -> None:
+        self.name_to_data: dict[str, bytes] = {}
+        self.in_put = threading.Event()
+        self.release = threading.Event()
+
+    def connect(self) -> None:
+        pass
+
+    def exists(self, names):
+        return [n in self.name_to_data for n in names]
+
+    def get(self, names):
+        return [self.name_to_data.get(n) for n in names]
+
+    def put(self, items) -> None:
+        self.in_put.set()
+        assert self.release.wait(30)
+        self.name_to_data.update(items)
+
+    def remove(self, name) -> bool:
+        return self.name_to_data.pop(name, None) is not None
+
+    def used_bytes(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_reads_do_not_wait_behind_a_slow_write():
+    backend = _SlowBackend()
+    backend.name_to_data[KEY_PREFIX + K[0].hex()] = _block(0)
+    m = TierManager([HostTier(4 * SIZE, SIZE), PoolTier("pool", backend)], backoff=FAST)
+    try:
+        m.put_many([(K[1], _block(1))])  # the writer thread enters the slow put
+        assert backend.in_put.wait(10)
+        with ThreadPoolExecutor(1) as pool:  # bounded: a read queued behind the put would time out here
+            assert pool.submit(m.lookup, K[:2]).result(timeout=10) == ["pool", "dram"]
+            assert pool.submit(m.get_prefix, K[:2]).result(timeout=10) == [_block(0), _block(1)]
+        assert not backend.release.is_set()  # the put was still in flight all along
+    finally:
+        backend.release.set()
+    m.flush()
+    assert backend.exists([KEY_PREFIX + K[1].hex()]) == [True]
     m.close()

@@ -5,10 +5,15 @@ lower tiers on one worker thread (write-through, so a second process on the same
 the blocks); blocks the top tier evicts are demoted to the next tier. Reads are batched per tier.
 Every block read is checked with `codecs.header.verify(data, key)` — intact, and the block its key
 names: a corrupt or substituted block is deleted, counted, and ends the prefix there — the caller
-recomputes from that point. A tier that turns unhealthy (a dead
-pool, a full disk) is skipped by reads and writes, and `reconnect()`ed on a background thread with
-exponential back-off (1 s doubling to 30 s); requests keep being served by the other tiers. The
-manager never calls up into its callers.
+recomputes from that point.
+
+Health (`tiers.health`): each tier is readable and writable, or not. Reads skip a tier that is not
+readable, writes one that is not writable (a full disk still serves reads); a tier that raises is
+turned off both ways. One retry thread probes each tier that is down (`reconnect()`) when its
+back-off has passed — whether or not requests arrive — with the back-off growing while probes fail
+and across quick relapses. Each tier has a read lock and a write lock: a slow pool put on the
+writer thread never holds up a lookup on the compute path. The manager never calls up into its
+callers.
 """
 
 from __future__ import annotations
@@ -17,14 +22,13 @@ import logging
 import queue
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from kvtier.codecs.header import CorruptBlockError, Header, verify
-from kvtier.tiers import Tier, TierStats, make_tier
+from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 
 log = logging.getLogger(__name__)
-BACKOFF_START_S = 1.0
-BACKOFF_MAX_S = 30.0
 
 
 @dataclass(slots=True)
@@ -53,60 +57,80 @@ class Prefix:
 
 
 class TierManager:
-    def __init__(self, tiers: list[Tier], *, async_writes: bool = True, max_pending_writes: int = 1024) -> None:
+    def __init__(self, tiers: list[Tier], *, async_writes: bool = True, max_pending_writes: int = 1024,
+                 backoff: Backoff | None = None) -> None:
         if not tiers:
             raise ValueError("a TierManager needs at least one tier")
         self.tiers = tiers
         self.num_dropped_writes = 0
-        # Tiers are not thread-safe: one caller per tier at a time. Per tier, so a slow pool write on
-        # the worker thread never holds up a DRAM read on the compute path.
-        self._locks = {id(tier): threading.Lock() for tier in tiers}
+        if backoff is not None:
+            for tier in tiers:
+                tier.health.backoff = backoff
+        # A tier serves one reader and one writer at a time (tiers/base.py): per tier and per side, so
+        # a slow pool or SSD write on the worker thread never holds up a read on the compute path.
+        self._read_locks = {id(tier): threading.Lock() for tier in tiers}
+        self._write_locks = {id(tier): threading.Lock() for tier in tiers}
         self._queue: queue.Queue | None = None
-        self._retry_at = [0.0] * len(tiers)
-        self._backoff_s = [BACKOFF_START_S] * len(tiers)
-        self._reconnecting = [False] * len(tiers)
         if async_writes and len(tiers) > 1:
             self._queue = queue.Queue(max_pending_writes)
             self._worker = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
             self._worker.start()
+        self._closed = False
+        self._wake = threading.Event()  # set by an outage (TierHealth.watch) and by close()
+        for tier in tiers:
+            tier.health.watch(self._wake)
+        self._retrier = threading.Thread(target=self._retry_loop, name="kvtier-retry", daemon=True)
+        self._retrier.start()
 
     # -- health ----------------------------------------------------------------------------------
     def _usable(self) -> list[bool]:
-        """Which tiers to use now; schedules a background reconnect of unhealthy ones when due."""
+        """Which tiers reads may use now (the retry thread brings the others back)."""
+        return [tier.health.readable for tier in self.tiers]
+
+    def _retry_loop(self) -> None:
+        """The one retry thread: probes each tier that is down once its back-off has passed, and
+        sleeps while every tier is up."""
+        while True:
+            self._wake.wait(self._retry_wait_s())
+            self._wake.clear()
+            for tier in self.tiers:
+                if self._closed:
+                    return
+                if tier.health.retry_due(time.monotonic()):
+                    self._probe(tier)
+
+    def _retry_wait_s(self) -> float | None:
+        """Until the next probe is due; None (until woken) while every tier is up."""
         now = time.monotonic()
-        usable = []
-        for idx, tier in enumerate(self.tiers):
-            usable.append(tier.healthy)
-            if not tier.healthy and not self._reconnecting[idx] and now >= self._retry_at[idx]:
-                self._reconnecting[idx] = True
-                threading.Thread(target=self._reconnect, args=(idx,), name=f"kvtier-reconnect-{tier.name}",
-                                 daemon=True).start()
-        return usable
+        due = [tier.health.retry_at - now for tier in self.tiers if not tier.health.healthy]
+        return max(0.0, min(due)) if due else None
 
-    def _reconnect(self, idx: int) -> None:
-        tier = self.tiers[idx]
-        try:
-            ok = tier.reconnect()
-        except Exception:  # noqa: BLE001 - a tier's reconnect must not kill the thread silently
-            log.exception("%s tier: reconnect raised", tier.name)
-            ok = False
-        if ok:
-            self._backoff_s[idx] = BACKOFF_START_S
-        else:
-            self._retry_at[idx] = time.monotonic() + self._backoff_s[idx]
-            self._backoff_s[idx] = min(2 * self._backoff_s[idx], BACKOFF_MAX_S)
-        self._reconnecting[idx] = False
+    def _probe(self, tier: Tier) -> None:
+        health = tier.health
+        with ExitStack() as held:  # the lock of each side that is down: reconnect() may rebuild it
+            if not health.readable:
+                held.enter_context(self._read_locks[id(tier)])
+            held.enter_context(self._write_locks[id(tier)])
+            try:
+                tier.reconnect()  # on success the tier calls health.recover()
+            except Exception:  # noqa: BLE001 - a tier's probe must not kill the retry thread
+                log.exception("%s tier: reconnect raised", tier.name)
+        if not health.healthy:
+            health.probe_failed()
 
-    def _guarded(self, tier: Tier, what: str, fn, fallback):
-        """Call a tier; an exception (a tier bug or an unexpected backend error) disables the tier."""
+    def _guarded(self, tier: Tier, what: str, fn, fallback, *, writing: bool = False):
+        """Call a tier on one side — reads under its read lock, writes under its write lock — unless
+        that side is down. An exception (a tier bug, an unexpected backend error) turns the tier off
+        both ways until a probe succeeds."""
+        health = tier.health
+        if not (health.writable if writing else health.readable):
+            return fallback
         try:
-            with self._locks[id(tier)]:
+            with (self._write_locks if writing else self._read_locks)[id(tier)]:
                 return fn()
         except Exception as exc:  # noqa: BLE001
-            log.warning("%s tier: %s raised %s: %s; tier disabled until it reconnects", tier.name, what,
-                        type(exc).__name__, exc)
             tier.stats.errors += 1
-            tier.healthy = False
+            health.fail(f"{what} raised {type(exc).__name__}: {exc}")
             return fallback
 
     # -- reads -----------------------------------------------------------------------------------
@@ -204,9 +228,7 @@ class TierManager:
 
     def _put_top(self, items: list[tuple[bytes, bytes]]) -> None:
         top = self.tiers[0]
-        if not top.healthy:
-            return
-        evicted = self._guarded(top, "put", lambda: top.put_many(items), [])
+        evicted = self._guarded(top, "put", lambda: top.put_many(items), [], writing=True)
         if evicted and len(self.tiers) > 1:
             self._enqueue(evicted)  # demotion (a no-op below if write-through already put it there)
 
@@ -232,15 +254,13 @@ class TierManager:
                 self._queue.task_done()
 
     def _write_lower(self, items: list[tuple[bytes, bytes]]) -> None:
-        usable = self._usable()
-        for tier, ok in zip(self.tiers[1:], usable[1:]):
-            if not ok:
-                continue
-            held = self._guarded(tier, "contains", lambda t=tier: t.contains_many([k for k, _ in items]),
-                                 [True] * len(items))
+        keys = [k for k, _ in items]
+        for tier in self.tiers[1:]:
+            held = self._guarded(tier, "contains", lambda t=tier: t.contains_many(keys), [True] * len(items),
+                                 writing=True)
             new = [(k, d) for (k, d), h in zip(items, held) if not h]
             if new:
-                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [])
+                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [], writing=True)
 
     def flush(self) -> None:
         if self._queue is not None:
@@ -250,10 +270,18 @@ class TierManager:
     def stats(self) -> dict[str, TierStats]:
         return {tier.name: tier.stats for tier in self.tiers}
 
+    def health(self) -> dict[str, TierHealth]:
+        return {tier.name: tier.health for tier in self.tiers}
+
     def occupancy(self) -> dict[str, tuple[int, int | None]]:
         return {tier.name: (tier.used_bytes(), tier.capacity_bytes) for tier in self.tiers}
 
     def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._retrier.join(timeout=30)  # a probe in flight ends within the backend's timeouts
+        for tier in self.tiers:
+            tier.health.unwatch(self._wake)
         self.flush()
         if self._queue is not None:
             self._queue.put(None)
@@ -263,7 +291,9 @@ class TierManager:
             tier.close()
 
 
-def build_manager(specs: list[str], *, slot_bytes: int, async_writes: bool = True) -> TierManager:
+def build_manager(specs: list[str], *, slot_bytes: int, async_writes: bool = True,
+                  backoff: Backoff | None = None) -> TierManager:
     """Tiers from spec strings, top first: `dram:1GiB`, `mooncake://HOST:PORT`, `redis://HOST:PORT/0`,
-    `ssd:/path:10GiB`. A pool that is down at start is just an unhealthy tier: it is retried."""
-    return TierManager([make_tier(spec, slot_bytes=slot_bytes) for spec in specs], async_writes=async_writes)
+    `ssd:/path:10GiB`. A pool that is down at start is just a tier that is down: it is retried."""
+    return TierManager([make_tier(spec, slot_bytes=slot_bytes) for spec in specs], async_writes=async_writes,
+                       backoff=backoff)

@@ -57,4 +57,4 @@ def test_pool_killed_mid_run(kind, tiny_model, shakespeare_text, tmp_path):
     assert again["choices"][0]["text"] == expected[3]
     pool = manager.tiers[1]
     assert pool.stats.puts > 0 and pool.stats.hits > 0  # the pool served prefixes before the kill
-    assert not pool.healthy or pool.stats.errors > 0  # and the kill was noticed, not hidden
+    assert not pool.health.healthy or pool.stats.errors > 0  # and the kill was noticed, not hidden

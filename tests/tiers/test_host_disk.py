@@ -1,12 +1,16 @@
 import errno
 import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvtier.codecs import get_codec
-from kvtier.tiers import DiskTier, HostTier, make_tier
 from kvtier.errors import UserError
+from kvtier.tiers import Backoff, DiskTier, HostTier, make_tier
+from kvtier.tiers.disk import PROBE_BLOCKS
 
 K = [bytes([i]) * 16 for i in range(8)]
 
@@ -38,10 +42,26 @@ def test_host_slots_are_reused_without_leak():
     assert tier.delete((199).to_bytes(16, "little")) and tier.num_free_slots() == 1
 
 
-def test_host_rejects_block_bigger_than_slot():
-    tier = HostTier(capacity_bytes=4 * SIZE, slot_bytes=SIZE - 1)
-    with pytest.raises(ValueError, match="exceeds"):
-        tier.put_many([(K[0], _block(0))])
+def test_host_oversize_block_is_a_counted_error_not_an_outage(caplog):
+    tier = HostTier(capacity_bytes=4 * SIZE, slot_bytes=SIZE)
+    big = _block(0) + b"x"
+    assert tier.put_many([(K[0], big), (K[1], _block(1)), (K[2], big)]) == []
+    assert tier.contains_many(K[:3]) == [False, True, False]
+    assert tier.stats.errors == 2 and tier.stats.puts == 1 and tier.health.healthy
+    assert sum("exceeds the slot" in r.message for r in caplog.records) == 1  # said once, counted each time
+
+
+def test_host_reconnect_drops_contents_only_when_the_bookkeeping_broke():
+    tier = HostTier(capacity_bytes=4 * SIZE, slot_bytes=SIZE)
+    tier.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    tier.health.fail("put raised RuntimeError")  # what the manager does when a tier raises
+    assert tier.reconnect() and tier.health.healthy and tier.contains_many(K[:2]) == [True, True]
+    tier._free_slots.pop()  # a bug left a slot neither free nor used
+    tier.health.fail("put raised RuntimeError")
+    assert tier.reconnect() and tier.health.healthy
+    assert tier.num_blocks() == 0 and tier.num_free_slots() == 4
+    tier.put_many([(K[2], _block(2))])
+    assert tier.get_many([K[2]]) == [_block(2)]
 
 
 def test_disk_index_survives_restart_in_lru_order(tmp_path):
@@ -76,15 +96,131 @@ def test_full_or_read_only_disk_turns_writes_off(tmp_path, monkeypatch, caplog, 
 
     monkeypatch.setattr(DiskTier, "_write", staticmethod(fail))
     tier.put_many([(K[1], _block(1)), (K[2], _block(2))])
-    assert not tier.healthy and tier.stats.errors == 1
+    assert (tier.health.readable, tier.health.writable) == (True, False) and tier.stats.errors == 1
     assert tier.contains_many([K[0], K[1], K[2]]) == [True, False, False]
     assert tier.get_many([K[0]]) == [_block(0)]  # reads keep working
-    assert sum("no more writes" in r.message for r in caplog.records) == 1
+    assert sum("writes off, reads go on" in r.message for r in caplog.records) == 1
     assert not tier.reconnect()  # the probe write fails too
     monkeypatch.undo()
-    assert tier.reconnect() and tier.healthy  # the disk has room again: puts resume
+    assert tier.reconnect() and tier.health.healthy  # the disk has room again: puts resume
     tier.put_many([(K[1], _block(1))])
     assert tier.get_many([K[1]]) == [_block(1)]
+
+
+def _statvfs(free_bytes: int, flag: int = 0):
+    return lambda path: SimpleNamespace(f_flag=flag, f_bavail=free_bytes, f_frsize=1)
+
+
+def test_disk_probe_wants_room_for_blocks_not_two_bytes(tmp_path, monkeypatch):
+    """A nearly full disk takes the 2-byte probe but not a block: the probe asks statvfs first."""
+    tier = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    tier.put_many([(K[0], _block(0))])
+
+    def no_room_for_blocks(path, data):
+        if len(data) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(path, data)
+
+    real_write = DiskTier._write
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(no_room_for_blocks))
+    monkeypatch.setattr(os, "statvfs", _statvfs(SIZE - 1))
+    tier.put_many([(K[1], _block(1))])
+    assert not tier.health.writable
+    assert not tier.reconnect()  # less than one block free
+    monkeypatch.setattr(os, "statvfs", _statvfs(PROBE_BLOCKS * SIZE - 1))
+    assert not tier.reconnect()  # still fewer than PROBE_BLOCKS blocks
+    monkeypatch.setattr(os, "statvfs", _statvfs(10**12, flag=os.ST_RDONLY))
+    assert not tier.reconnect()  # room, but a read-only file system
+    monkeypatch.setattr(os, "statvfs", _statvfs(PROBE_BLOCKS * SIZE))
+    assert tier.reconnect() and tier.health.healthy
+    assert tier.get_many([K[0]]) == [_block(0)]
+
+
+def test_disk_back_off_grows_across_quick_relapses(tmp_path, monkeypatch):
+    """statvfs says there is room, yet every block write fails (the issue's 44 flaps in 64 s): each
+    relapse soon after a recovery doubles the wait instead of starting again at 1 s."""
+    tier = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    tier.health.backoff = Backoff(start_s=1.0, max_s=8.0, stable_s=60.0)
+    real_write = DiskTier._write
+
+    def fail_blocks(path, data):
+        if len(data) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(path, data)
+
+    monkeypatch.setattr(DiskTier, "_write", staticmethod(fail_blocks))
+    waits = []
+    for i in range(5):
+        tier.put_many([(K[i], _block(i))])
+        waits.append(tier.health.backoff_s)
+        assert tier.health.readable and not tier.health.writable
+        assert tier.reconnect()  # the probe passes: statvfs shows room
+    assert waits == [1.0, 2.0, 4.0, 8.0, 8.0]
+    assert tier.health.num_transitions == 10 and tier.stats.errors == 5
+    tier.health.backoff = Backoff(start_s=1.0, max_s=8.0, stable_s=0.0)  # up "long enough"
+    tier.put_many([(K[5], _block(5))])
+    assert tier.health.backoff_s == 1.0
+
+
+def test_disk_start_up_ignores_files_that_are_not_blocks(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    tier.put_many([(K[0], _block(0))])
+    strays = [tmp_path / "zz" / "not-hex.kvb", tmp_path / "01" / "01 02.kvb", tmp_path / "ab" / "0101.kvb",
+              tmp_path / "01" / ".kvb", tmp_path / "01" / "notes.txt"]
+    for path in strays:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"x")
+    reopened = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    assert reopened.num_blocks() == 1 and reopened.get_many([K[0]]) == [_block(0)]
+    assert all(path.exists() for path in strays)  # not ours: left alone
+    assert reopened.health.healthy
+
+
+def test_disk_read_only_directory_serves_reads(tmp_path, monkeypatch):
+    """A leftover temporary file and more blocks than the configured size, on a disk that refuses
+    every delete (EROFS): the tier opens, keeps the most recent blocks, reads them, writes nothing."""
+    tier = DiskTier(tmp_path, capacity_bytes=10 * SIZE)
+    for i in range(3):
+        tier.put_many([(K[i], _block(i))])
+        os.utime(tier._path(K[i]), ns=(10**18 + i, 10**18 + i))
+    torn = tier._path(K[5]).with_name(tier._path(K[5]).name + ".tmp")
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(b"torn")
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    monkeypatch.setattr(os, "replace", read_only)
+    reopened = DiskTier(tmp_path, capacity_bytes=2 * SIZE)
+    assert (reopened.health.readable, reopened.health.writable) == (True, False)
+    assert reopened.contains_many(K[:3]) == [False, True, True]
+    assert reopened.get_many([K[1], K[2]]) == [_block(1), _block(2)]
+    assert not reopened.reconnect()  # the probe's rename fails too
+    monkeypatch.undo()
+    assert reopened.reconnect() and reopened.health.healthy
+
+
+def test_disk_missing_directory_is_created_or_refused_in_one_line(tmp_path):
+    deep = tmp_path / "a" / "b" / "ssd"
+    tier = make_tier(f"ssd:{deep}:1MiB", slot_bytes=SIZE)
+    assert deep.is_dir() and tier.health.healthy
+    (tmp_path / "file").write_text("in the way")
+    for path in (tmp_path / "file", tmp_path / "file" / "ssd"):
+        with pytest.raises(UserError, match="cannot use") as info:
+            make_tier(f"ssd:{path}:1MiB", slot_bytes=SIZE)
+        assert "\n" not in str(info.value)
+
+
+def test_disk_reads_refresh_lru_order_across_restart(tmp_path):
+    tier = DiskTier(tmp_path, capacity_bytes=3 * SIZE)
+    for i in range(3):
+        tier.put_many([(K[i], _block(i))])
+        os.utime(tier._path(K[i]), ns=(10**18 + i, 10**18 + i))  # written in order 0, 1, 2
+    assert tier.get_many([K[0]]) == [_block(0)]  # 0 is now the most recently used
+    reopened = DiskTier(tmp_path, capacity_bytes=3 * SIZE)
+    reopened.put_many([(K[3], _block(3))])  # evicts the least recent: 1, not 0
+    assert reopened.contains_many(K[:4]) == [True, False, True, True]
 
 
 def test_tier_specs():
@@ -101,3 +237,37 @@ def test_disk_batched_read_keeps_order_and_survives_a_vanished_file(tmp_path):
     tier._path(K[2]).unlink()  # removed behind the tier's back (an operator, another process)
     assert tier.get_many([K[0], K[1], K[2], K[3], K[7], K[5]]) == [_block(0), _block(1), None, _block(3), None, _block(5)]
     assert tier.stats.errors == 1 and tier.contains_many([K[2]]) == [False]
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd"])
+def test_one_reader_and_one_writer_at_once_never_see_a_wrong_block(kind, tmp_path):
+    """The manager's two sides call a tier concurrently: the writer evicting as it goes, the reader
+    gets each block whole or a miss, never another key's block, and no error is counted."""
+    tier = HostTier(8 * SIZE, SIZE) if kind == "dram" else DiskTier(tmp_path, 8 * SIZE)
+    keys = [i.to_bytes(16, "little") for i in range(48)]
+    key_to_block = {key: _block(i) for i, key in enumerate(keys)}
+    failures = []
+
+    def write():
+        try:
+            for _ in range(3):
+                for key in keys:
+                    tier.put_many([(key, key_to_block[key])])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    num_hits = 0
+    while writer.is_alive() or not num_hits:
+        datas = tier.get_many(keys)
+        assert all(d is None or d == key_to_block[k] for k, d in zip(keys, datas))
+        num_hits += sum(d is not None for d in datas)
+        tier.contains_many(keys)
+    writer.join()
+    assert failures == [] and tier.stats.errors == 0
+    assert tier.num_blocks() == 8 and tier.used_bytes() == 8 * SIZE
+    held = [key for key, h in zip(keys, tier.contains_many(keys)) if h]
+    assert len(held) == 8 and tier.get_many(held) == [key_to_block[k] for k in held]
+    if kind == "ssd":  # every evicted file is gone: the index and the directory agree
+        assert sorted(p.name for p in tmp_path.glob("*/*.kvb")) == sorted(tier._path(k).name for k in held)

@@ -15,7 +15,8 @@ import xxhash
 from kvtier.codecs import get_codec
 from kvtier.errors import UserError
 from kvtier.manager import TierManager, build_manager
-from kvtier.tiers import DiskTier, HostTier, make_tier
+from kvtier.server.metrics import EngineView, ServerMetrics
+from kvtier.tiers import Backoff, DiskTier, HostTier, make_tier
 from kvtier.tiers.mooncake import parse_spec
 
 from kvtier.services import MooncakePool, RedisServer, free_port
@@ -51,7 +52,7 @@ def _wait(predicate, timeout_s: float = 20.0) -> bool:
 def test_round_trip_batched(pool_service):
     tier = make_tier(pool_service.spec, slot_bytes=SIZE)
     keys = _keys("rt", 6)
-    assert tier.healthy
+    assert tier.health.healthy
     assert tier.contains_many(keys) == [False] * 6
     assert tier.put_many([(k, _block(i, k)) for i, k in enumerate(keys[:4])]) == []
     assert tier.contains_many(keys) == [True] * 4 + [False] * 2
@@ -119,18 +120,15 @@ def test_pool_value_written_under_another_key_is_never_served(pool_service):
 
 
 @pytest.mark.parametrize("kind", ["mooncake", "redis"])
-def test_pool_dies_mid_run_and_comes_back(kind, tmp_path, monkeypatch):
+def test_pool_dies_mid_run_and_comes_back(kind, tmp_path):
     """DRAM + pool + SSD: the pool is killed; reads fall back to DRAM/SSD, writes keep landing on SSD,
     nothing raises; the pool restarts and the manager reconnects on its own (back-off) and uses it."""
-    import kvtier.manager as manager_mod
-
-    monkeypatch.setattr(manager_mod, "BACKOFF_START_S", 0.2)
     service = MooncakePool(tmp_path, segment="64MB") if kind == "mooncake" else RedisServer(tmp_path)
     service.start()
     try:
         dram, ssd = HostTier(2 * SIZE, SIZE), DiskTier(tmp_path / "ssd", 100 * SIZE)
         pool = make_tier(service.spec, slot_bytes=SIZE)
-        m = TierManager([dram, pool, ssd])
+        m = TierManager([dram, pool, ssd], backoff=Backoff(start_s=0.2, max_s=1.0))
         keys = _keys("fault", 6)
         m.put_many([(k, _block(i, k)) for i, k in enumerate(keys[:3])])
         m.flush()
@@ -140,10 +138,10 @@ def test_pool_dies_mid_run_and_comes_back(kind, tmp_path, monkeypatch):
         m.flush()
         # every block is still served, from DRAM (the last two) or the SSD; the dead pool is skipped
         assert m.get_prefix(keys) == [_block(i, keys[i]) for i in range(6)]
-        assert not pool.healthy and pool.stats.errors >= 1
+        assert pool.health.state == "down" and pool.stats.errors >= 1
         assert ssd.contains_many(keys) == [True] * 6
         service.start()
-        assert _wait(lambda: (m.lookup(keys[:1]), pool.healthy)[1])
+        assert _wait(lambda: pool.health.healthy)  # the retry thread, no request needed
         new = _keys("after", 1)
         m.put_many([(new[0], _block(9, new[0]))])
         m.flush()
@@ -153,10 +151,58 @@ def test_pool_dies_mid_run_and_comes_back(kind, tmp_path, monkeypatch):
         service.kill()
 
 
+def _metric(text: str, line_start: str) -> float:
+    return float(next(line for line in text.splitlines() if line.startswith(line_start)).split()[-1])
+
+
+def test_pool_recovers_in_the_background_and_metrics_show_it(tmp_path):
+    """No request arrives while redis is down and back: the retry thread alone brings the tier back,
+    and /metrics shows each state (readable, writable, back-off, transitions)."""
+    service = RedisServer(tmp_path)
+    service.start()
+    try:
+        m = TierManager([HostTier(4 * SIZE, SIZE), make_tier(service.spec, slot_bytes=SIZE)],
+                        backoff=Backoff(start_s=0.1, max_s=0.4))
+        pool = m.tiers[1]
+        metrics = ServerMetrics(EngineView, manager=m)
+        assert _metric(metrics.render().decode(), 'kvtier_tier_readable{tier="redis"}') == 1.0
+        service.kill()
+        m.put_many([(k, _block(0)) for k in _keys("bg", 1)])  # the writer finds it dead
+        m.flush()
+        text = metrics.render().decode()
+        assert _metric(text, 'kvtier_tier_readable{tier="redis"}') == 0.0
+        assert _metric(text, 'kvtier_tier_writable{tier="redis"}') == 0.0
+        assert _metric(text, 'kvtier_tier_backoff_seconds{tier="redis"}') > 0
+        assert _wait(lambda: pool.health.backoff_s == 0.4)  # probes keep failing: the wait grew
+        service.start()
+        assert _wait(lambda: pool.health.healthy)
+        text = metrics.render().decode()
+        assert _metric(text, 'kvtier_tier_readable{tier="redis"}') == 1.0
+        assert _metric(text, 'kvtier_tier_backoff_seconds{tier="redis"}') == 0.0
+        assert _metric(text, 'kvtier_tier_health_transitions_total{tier="redis"}') == 2.0
+        m.close()
+    finally:
+        service.kill()
+
+
+def test_mooncake_put_and_get_beyond_the_transfer_buffer(mooncake_master):
+    """The client's transfer buffer (64 MiB here) is shared by a get and a put in flight together:
+    each moves at most half of it per call, so a 80 MiB put lands (it was refused whole with -600)."""
+    tier = make_tier(mooncake_master.spec, slot_bytes=1)
+    keys = _keys("big", 80)
+    blocks = [bytes([i]) * (1 << 20) for i in range(80)]
+    tier.put_many(list(zip(keys, blocks)))
+    assert tier.stats.errors == 0 and tier.stats.puts == 80
+    assert tier.get_many(keys) == blocks
+    for key in keys:
+        tier.delete(key)
+    tier.close()
+
+
 @pytest.mark.parametrize("spec", ["mooncake://127.0.0.1:{port}", "redis://127.0.0.1:{port}/0"])
 def test_pool_down_at_start_is_an_unhealthy_tier_not_an_error(spec, tmp_path):
     m = build_manager(["dram:1MiB", spec.format(port=free_port())], slot_bytes=SIZE)
-    assert not m.tiers[1].healthy
+    assert m.tiers[1].health.state == "down"
     keys = _keys("down", 2)
     m.put_many([(k, _block(i, k)) for i, k in enumerate(keys)])
     m.flush()

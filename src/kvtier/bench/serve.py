@@ -8,6 +8,8 @@ EOS ignored) and appends it. The device budget holds the KV of only a few conver
 
 Systems, each on the same requests:
 - `kvtier`: the engine with the tier stack under it (DRAM, + SSD with `--ssd`) and swap preemption;
+  `kvtier-<codec>` with a quantized device arena; `kvtier-recompute` with recompute preemption (a
+  preempted sequence's full blocks are already in the tiers and are loaded back, not recomputed);
 - `device-prefix`: the same engine with a prefix cache on the device only and recompute
   preemption (the vLLM-style baseline);
 - `generate`: plain transformers `model.generate` with DynamicCache, one request at a time (FIFO).
@@ -57,6 +59,8 @@ class SystemResult:
     prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
+    step_tier_io_s: float = 0.0     # the engine step thread's time in tier calls
+    transfer_s: float = 0.0         # the transfer worker's time in tier loads and stores
 
     def row(self, reference: "SystemResult | None") -> dict:
         ttfts = sorted(t.ttft_s for t in self.turns.values())
@@ -71,7 +75,8 @@ class SystemResult:
                 "tokens_per_s": num_tokens / self.wall_s, "wall_s": self.wall_s,
                 "prompt_tokens": self.num_prompt_tokens,
                 "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
-                "preemptions": self.num_preemptions, "same_text_as_generate": same, "first_error": self.first_error}
+                "preemptions": self.num_preemptions, "step_tier_io_s": self.step_tier_io_s,
+                "transfer_s": self.transfer_s, "same_text_as_generate": same, "first_error": self.first_error}
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -108,17 +113,20 @@ def _prompt(tokenizer, passage: str, user_messages: list[str], replies: list[str
 
 def engine_system(name: str) -> tuple[bool, str, str]:
     """(with tiers, preemption, resident KV codec) of a system name: "kvtier" (tiers, swap, raw),
-    "kvtier-<codec>" (the same with fp8/int8/int4/int2 resident on the device), "device-prefix"
-    (device prefix cache only, recompute preemption: the vLLM-style baseline)."""
+    "kvtier-<codec>" (the same with fp8/int8/int4/int2 resident on the device), "kvtier-recompute"
+    (tiers, recompute preemption: a preempted sequence's full blocks come back from the tiers),
+    "device-prefix" (device prefix cache only, recompute preemption: the vLLM-style baseline)."""
     from kvtier.engine.arena import ARENA_CODECS
 
     if name == "device-prefix":
         return False, "recompute", "raw"
+    if name == "kvtier-recompute":
+        return True, "recompute", "raw"
     base, _, codec = name.partition("-")
     if base == "kvtier" and (codec or "raw") in ARENA_CODECS:
         return True, "swap", codec or "raw"
     raise ValueError(f"unknown system {name!r}: use generate, kvtier, kvtier-<{'|'.join(ARENA_CODECS[1:])}>, "
-                     "device-prefix")
+                     "kvtier-recompute, device-prefix")
 
 
 @contextlib.contextmanager
@@ -146,6 +154,8 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
         stats = engine.stats()
         result.prefix_hit_tokens_by_tier = stats.prefix_hit_tokens_by_tier
         result.num_preemptions = stats.num_preemptions
+        result.step_tier_io_s = stats.step_tier_io_seconds
+        result.transfer_s = stats.transfer_load_seconds + stats.transfer_store_seconds
         if manager is not None:
             manager.close()
 
@@ -442,15 +452,17 @@ def add_command(bench) -> None:
 
 def render(rows: list[dict]) -> str:
     lines = ["| system | requests | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL mean | tokens/s | wall | "
-             "prompt tokens | cached tokens by tier | preemptions | same text as generate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prompt tokens | cached tokens by tier | preemptions | step-thread tier I/O | transfer worker | "
+             "same text as generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = ", ".join(f"{k}: {v}" for k, v in r["cached_tokens_by_tier"].items()) or "–"
         same = {None: "(reference)", True: "yes", False: "NO"}[r["same_text_as_generate"]]
         lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s'] * 1000:,.0f} ms | "
                      f"{r['ttft_p99_s'] * 1000:,.0f} ms | {r['itl_p50_s'] * 1000:,.0f} ms | "
                      f"{r['itl_mean_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} s | "
-                     f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | {same} |")
+                     f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | "
+                     f"{r.get('step_tier_io_s', 0.0):.2f} s | {r.get('transfer_s', 0.0):.2f} s | {same} |")
     return "\n".join(lines)
 
 

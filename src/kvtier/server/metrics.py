@@ -40,8 +40,15 @@ class TierView:
     name: str
     used_bytes: int
     capacity_bytes: int | None
-    healthy: bool
+    readable: bool
+    writable: bool
+    backoff_s: float = 0.0          # the wait before the next probe while (partly) down
+    num_transitions: int = 0        # health state changes: a flapping tier shows here
     stats: dict[str, float] = field(default_factory=dict)  # TierStats as a dict
+
+    @property
+    def healthy(self) -> bool:
+        return self.readable and self.writable
 
     @property
     def hit_rate(self) -> float:
@@ -69,9 +76,10 @@ def tier_views(manager) -> list[TierView]:
     if manager is None:
         return []
     occupancy = manager.occupancy()
-    return [TierView(name, *occupancy[name], healthy=bool(getattr(tier, "healthy", True)),
-                     stats=asdict(manager.stats()[name]))
-            for name, tier in ((t.name, t) for t in manager.tiers)]
+    return [TierView(tier.name, *occupancy[tier.name], readable=tier.health.readable, writable=tier.health.writable,
+                     backoff_s=tier.health.backoff_s, num_transitions=tier.health.num_transitions,
+                     stats=asdict(tier.stats))
+            for tier in manager.tiers]
 
 
 @dataclass(slots=True)
@@ -137,7 +145,8 @@ class ServerMetrics:
         t = self.totals
         return {
             "tiers": [{"name": v.name, "used_bytes": v.used_bytes, "capacity_bytes": v.capacity_bytes,
-                       "healthy": v.healthy, "hit_rate": v.hit_rate, **v.stats} for v in tier_views(self.manager)],
+                       "healthy": v.healthy, "readable": v.readable, "writable": v.writable, "backoff_s": v.backoff_s,
+                       "hit_rate": v.hit_rate, **v.stats} for v in tier_views(self.manager)],
             "engine": asdict(self.engine_view()),
             "requests": {
                 "finished": sum(t.num_finished_by_reason.values()), "errors": sum(t.num_errors_by_status.values()),
@@ -212,11 +221,21 @@ def _tier_families(tiers: list[TierView]) -> Iterator[Metric]:
         yield family
     used = GaugeMetricFamily("kvtier_tier_used_bytes", "Bytes held by the tier", labels=["tier"])
     capacity = GaugeMetricFamily("kvtier_tier_capacity_bytes", "Capacity of the tier (pools: absent)", labels=["tier"])
-    healthy = GaugeMetricFamily("kvtier_tier_healthy", "1 while the tier answers, 0 after an I/O failure",
-                                labels=["tier"])
+    healthy = GaugeMetricFamily("kvtier_tier_healthy", "1 while the tier is readable and writable", labels=["tier"])
+    readable = GaugeMetricFamily("kvtier_tier_readable", "1 while reads use the tier (a full or read-only disk "
+                                 "still reads)", labels=["tier"])
+    writable = GaugeMetricFamily("kvtier_tier_writable", "1 while writes use the tier", labels=["tier"])
+    backoff = GaugeMetricFamily("kvtier_tier_backoff_seconds", "Wait before the next probe of a tier that is down "
+                                "(0 while up); grows while probes fail and across quick relapses", labels=["tier"])
+    transitions = CounterMetricFamily("kvtier_tier_health_transitions", "Changes of the tier's readable/writable "
+                                      "state (a flapping tier counts up fast)", labels=["tier"])
     for tier in tiers:
         used.add_metric([tier.name], tier.used_bytes)
         if tier.capacity_bytes is not None:
             capacity.add_metric([tier.name], tier.capacity_bytes)
-        healthy.add_metric([tier.name], 1.0 if tier.healthy else 0.0)
-    yield from (used, capacity, healthy)
+        healthy.add_metric([tier.name], float(tier.healthy))
+        readable.add_metric([tier.name], float(tier.readable))
+        writable.add_metric([tier.name], float(tier.writable))
+        backoff.add_metric([tier.name], tier.backoff_s)
+        transitions.add_metric([tier.name], tier.num_transitions)
+    yield from (used, capacity, healthy, readable, writable, backoff, transitions)

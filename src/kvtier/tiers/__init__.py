@@ -7,6 +7,7 @@ from pathlib import Path
 from kvtier.errors import UserError
 from kvtier.tiers.base import Tier, TierStats
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.health import Backoff, TierHealth
 from kvtier.tiers.host import HostTier
 from kvtier.units import parse_bytes
 
@@ -32,4 +33,4 @@ def make_tier(spec: str, *, slot_bytes: int) -> Tier:
     raise UserError(f"unknown tier {spec!r}: use dram:SIZE, ssd:DIR:SIZE, mooncake://HOST:PORT, redis://HOST:PORT/DB")
 
 
-__all__ = ["DiskTier", "HostTier", "Tier", "TierStats", "make_tier"]
+__all__ = ["Backoff", "DiskTier", "HostTier", "Tier", "TierHealth", "TierStats", "make_tier"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.tiers.health import TierHealth
+
 
 @dataclass(slots=True)
 class TierStats:
@@ -21,14 +23,19 @@ class TierStats:
 
 
 class Tier(Protocol):
-    """A block store. Never raises on I/O failure: it counts an error, turns `healthy` off, and
-    answers misses / drops puts until `reconnect()` (called by the manager after a back-off)
-    succeeds."""
+    """A block store. Never raises on I/O failure: it counts an error and turns off the side of
+    `health` the failure concerns (a dead pool: reads and writes; a full disk: writes); the manager
+    then skips that side until `reconnect()`, its background probe, succeeds.
+
+    Threads: the manager calls a tier from at most two threads at once, one on the read side
+    (`contains_many`, `get_many`, `delete`) and one on the write side (`contains_many`, `put_many`),
+    so that a slow write never holds up a read; a tier must allow that pair. `reconnect()` runs with
+    the side(s) that are down locked out. `used_bytes` / `num_blocks` may be called from any thread."""
 
     name: str                      # "dram", "ssd", "mooncake", "redis"
     capacity_bytes: int | None     # None: the backend owns eviction (pools)
     stats: TierStats
-    healthy: bool
+    health: TierHealth             # readable / writable, transitions, retry back-off
 
     def contains_many(self, keys: list[bytes]) -> list[bool]: ...
     def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...        # None = miss
@@ -36,5 +43,5 @@ class Tier(Protocol):
     def delete(self, key: bytes) -> bool: ...
     def used_bytes(self) -> int: ...
     def num_blocks(self) -> int: ...
-    def reconnect(self) -> bool: ...  # try to become healthy again; returns `healthy`
+    def reconnect(self) -> bool: ...  # probe; on success `health.recover()`; returns `health.healthy`
     def close(self) -> None: ...

@@ -3,10 +3,19 @@
 A block is written to a temporary file, fsynced and renamed into place (`os.replace` is atomic),
 so a crash never leaves a half-written block under a real name; the header checksum catches
 anything else. On open the directory is scanned: yesterday's blocks are found again, in mtime
-(LRU) order, and leftover temporary files are removed. A block another live process wrote into
-the same directory after our scan is adopted on first lookup. A full (ENOSPC) or read-only disk
-marks the tier unhealthy with one warning and turns its puts off; reads of what is there keep
-working, and `reconnect()` (the manager's retry) probes with a tiny write.
+order (a read stamps the blocks it returns, so that order is use order, not write order), and
+leftover temporary files are removed; files that are not ours are left alone. A block another live
+process wrote into the same directory after our scan is adopted on first lookup.
+
+A full (ENOSPC) or read-only disk turns the tier's writes off (`health.writable`), not its reads:
+what is there keeps being served. `reconnect()` (the manager's background probe) turns writes back
+on only when the file system is writable, has room for a few of the largest block this tier has
+seen (`os.statvfs`), and a tiny write goes through — a 2-byte write succeeds on a disk that cannot
+take one more block.
+
+Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
+a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
+is neither held nor adoptable meanwhile, so a lookup never takes in a file that is about to go.
 """
 
 from __future__ import annotations
@@ -14,19 +23,46 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvtier.errors import UserError
 from kvtier.index import LRUIndex
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.health import TierHealth
+from kvtier.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _BLOCK_SUFFIX = ".kvb"
 _PROBE_NAME = ".kvtier-probe"
 READ_THREADS = 4
+PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
+
+
+def _open_directory(directory: Path) -> None:
+    """Create the directory (and its parents) if missing; anything in the way is the user's to fix."""
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"ssd tier: cannot use {directory} as its directory: {exc.strerror or exc}") from None
+
+
+def _key_of(path: Path) -> bytes | None:
+    """The key a block file holds, from its name `<shard>/<hex key>.kvb`; None for any other file."""
+    hex_key = path.name.removesuffix(_BLOCK_SUFFIX)
+    if hex_key == path.name or path.parent.name != hex_key[:2]:
+        return None
+    try:
+        key = bytes.fromhex(hex_key)
+    except ValueError:
+        return None
+    return key if key and key.hex() == hex_key else None
 
 
 class DiskTier:
@@ -34,12 +70,23 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        _open_directory(self.directory)
         self.capacity_bytes = capacity_bytes
-        self._lru = LRUIndex(capacity_bytes)
         self.stats = TierStats()
-        self.healthy = True
+        self.health = TierHealth(self.name)
+        self._lru = LRUIndex(capacity_bytes)
+        self._index_lock = threading.Lock()
+        self._in_flux: set[bytes] = set()
+        self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._scan()
+        if self._read_only():
+            self.health.fail(f"{self.directory}: read-only file system", reads=False)
+
+    def _read_only(self) -> bool:
+        try:
+            return bool(os.statvfs(self.directory).f_flag & os.ST_RDONLY)
+        except OSError:
+            return False
 
     def _path(self, key: bytes) -> Path:
         hex_key = key.hex()
@@ -49,27 +96,64 @@ class DiskTier:
         found = []
         for path in self.directory.glob("*/*"):
             if path.name.endswith(_TMP_SUFFIX):
-                path.unlink(missing_ok=True)  # a write that never reached its rename
-            elif path.name.endswith(_BLOCK_SUFFIX):
-                stat = path.stat()
-                found.append((stat.st_mtime_ns, bytes.fromhex(path.name[:-len(_BLOCK_SUFFIX)]), stat.st_size))
+                self._remove(path)  # a write that never reached its rename
+            elif (key := _key_of(path)) is not None:
+                try:
+                    stat = path.stat()
+                except OSError:
+                    continue
+                found.append((stat.st_mtime_ns, key, stat.st_size))
         for _, key, size in sorted(found):
+            self._max_block_bytes = max(self._max_block_bytes, size)
             for victim, _ in self._lru.insert(key, size) or []:
-                self._path(victim).unlink(missing_ok=True)
+                self._remove(self._path(victim))  # more than the configured size
+
+    def _remove(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:  # a read-only disk: the file stays, unindexed
+            self._write_failed(exc)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        return [key in self._lru or self._adopt(key) for key in keys]
+        return [self._holds(key) for key in keys]
+
+    def _holds(self, key: bytes) -> bool:
+        with self._index_lock:
+            if key in self._in_flux:
+                return False
+            if key in self._lru:
+                return True
+        return self._adopt(key)
 
     def _adopt(self, key: bytes) -> bool:
-        """A block file another process wrote after our scan: take it into the index."""
+        """A block file another process wrote after our scan: take it into the index. Not while the
+        disk takes no writes: nobody adds blocks to it, and the file could be one we failed to evict."""
+        if not self.health.writable:
+            return False
         try:
             size = self._path(key).stat().st_size
         except OSError:
             return False
-        for victim, _ in self._lru.insert(key, size) or []:
-            self._path(victim).unlink(missing_ok=True)
+        with self._index_lock:
+            if key in self._in_flux:
+                return False
+            victims = self._insert(key, size) or []
+            held = key in self._lru
+        self._evict(victims)
+        return held
+
+    def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]] | None:
+        """Index `key` (under the index lock); its victims are in flux until `_evict` removed their files."""
+        victims = self._lru.insert(key, size, pinned=self._in_flux)
+        self._in_flux.update(victim for victim, _ in victims or [])
+        return victims
+
+    def _evict(self, victims: list[tuple[bytes, int]]) -> None:
+        for victim, _ in victims:
+            self._remove(self._path(victim))
             self.stats.evictions += 1
-        return key in self._lru
+        with self._index_lock:
+            self._in_flux.difference_update(victim for victim, _ in victims)
 
     @staticmethod
     def _read(path: Path) -> bytes | None:
@@ -82,54 +166,82 @@ class DiskTier:
         """Batched reads run READ_THREADS at a time: an SSD serves several outstanding reads faster
         than one at a time (queue depth), and file reads release the GIL."""
         start = time.perf_counter()
-        present = [key in self._lru or self._adopt(key) for key in keys]
+        present = [self._holds(key) for key in keys]
         paths = [self._path(key) for key, held in zip(keys, present) if held]
         if len(paths) > 1:
             with ThreadPoolExecutor(min(READ_THREADS, len(paths))) as pool:
                 datas = iter(list(pool.map(self._read, paths)))
         else:
             datas = iter([self._read(p) for p in paths])
-        out: list[bytes | None] = []
-        for key, held in zip(keys, present):
-            data = next(datas) if held else None
-            if held and data is None:  # the file vanished or failed to read
-                self._lru.pop(key)
-                self.stats.errors += 1
-            if data is None:
-                self.stats.misses += 1
-            else:
+        out = [next(datas) if held else None for held in present]
+        hit_keys = [key for key, data in zip(keys, out) if data is not None]
+        with self._index_lock:
+            for key in hit_keys:
                 self._lru.touch(key)
-                self.stats.hits += 1
-                self.stats.bytes_read += len(data)
-            out.append(data)
+        self._stamp([self._path(key) for key in hit_keys])
+        for key, held, data in zip(keys, present, out):
+            if held and data is None:
+                self._lost(key)
+        self.stats.hits += len(hit_keys)
+        self.stats.misses += len(keys) - len(hit_keys)
+        self.stats.bytes_read += sum(len(d) for d in out if d is not None)
         self.stats.read_seconds += time.perf_counter() - start
         return out
+
+    def _lost(self, key: bytes) -> None:
+        """An indexed file failed to read: removed behind our back or unreadable (an error, dropped
+        from the index), or evicted by our own writer meanwhile (just a miss)."""
+        with self._index_lock:
+            if key in self._in_flux or self._lru.pop(key) is None:
+                return
+        self.stats.errors += 1
+
+    @staticmethod
+    def _stamp(paths: list[Path]) -> None:
+        """Reads are use: set the mtime of the blocks just read (in read order, a nanosecond apart)
+        so the LRU order rebuilt at the next start is use order. One metadata update per block."""
+        now_ns = time.time_ns()
+        for i, path in enumerate(paths):
+            try:
+                os.utime(path, ns=(now_ns + i, now_ns + i))
+            except OSError:
+                pass  # a read-only disk keeps its old order
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """Write blocks; evicted blocks are deleted (the SSD is the last tier), so none are returned."""
         start = time.perf_counter()
         for key, data in items:
-            if not self.healthy:
-                break
-            if key in self._lru:
-                self._lru.touch(key)
-                continue
-            victims = self._lru.insert(key, len(data))
-            if victims is None:
-                continue  # larger than the whole tier
-            for victim, _ in victims:
-                self._path(victim).unlink(missing_ok=True)
-                self.stats.evictions += 1
-            try:
-                self._write(self._path(key), data)
-            except OSError as exc:
-                self._lru.pop(key)
-                self._on_write_error(exc)
-                continue
-            self.stats.puts += 1
-            self.stats.bytes_written += len(data)
+            if not self.health.writable:
+                break  # the disk filled up mid-batch
+            self._put(key, data)
         self.stats.write_seconds += time.perf_counter() - start
         return []
+
+    def _put(self, key: bytes, data: bytes) -> None:
+        with self._index_lock:
+            self._max_block_bytes = max(self._max_block_bytes, len(data))
+            if key in self._lru:
+                self._lru.touch(key)
+                return
+            if key in self._in_flux:
+                return  # its old file is being removed (a lookup's eviction): skip it this time
+            victims = self._insert(key, len(data))
+            if victims is None:
+                return  # larger than the whole tier
+            self._in_flux.add(key)
+        try:
+            self._evict(victims)
+            self._write(self._path(key), data)
+        except OSError as exc:
+            with self._index_lock:
+                self._lru.pop(key)
+            self._write_failed(exc)
+        else:
+            self.stats.puts += 1
+            self.stats.bytes_written += len(data)
+        finally:
+            with self._index_lock:
+                self._in_flux.discard(key)
 
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
@@ -142,32 +254,55 @@ class DiskTier:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # read-only: there is no tmp file either
             raise
 
-    def _on_write_error(self, exc: OSError) -> None:
+    def _write_failed(self, exc: OSError) -> None:
         self.stats.errors += 1
         if exc.errno in _DISABLING_ERRNOS:
-            self.healthy = False
-            log.warning("ssd tier %s: %s; no more writes to this tier until a probe write succeeds",
-                        self.directory, exc)
+            self.health.fail(f"{self.directory}: {exc.strerror or exc}", reads=False)
 
     def reconnect(self) -> bool:
-        """Probe with a tiny atomic write; success turns puts back on."""
-        if not self.healthy:
-            try:
-                self._write(self.directory / _PROBE_NAME, b"ok")
-                (self.directory / _PROBE_NAME).unlink()
-                self.healthy = True
-                log.warning("ssd tier %s: writable again", self.directory)
-            except OSError:
-                pass
-        return self.healthy
+        """Probe: turn writes (and reads, if a bug turned them off) back on when a write would work."""
+        if self.health.healthy:
+            return True
+        problem = self._write_problem()
+        if problem is None:
+            self.health.recover()
+        else:
+            log.debug("ssd tier %s: still not writable: %s", self.directory, problem)
+        return problem is None
+
+    def _write_problem(self) -> str | None:
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError as exc:
+            return str(exc)
+        if fs.f_flag & os.ST_RDONLY:
+            return "read-only file system"
+        free_bytes = fs.f_bavail * fs.f_frsize
+        need_bytes = PROBE_BLOCKS * self._max_block_bytes
+        if free_bytes < need_bytes:
+            return f"{fmt_bytes(free_bytes)} free, fewer than {PROBE_BLOCKS} blocks ({fmt_bytes(need_bytes)})"
+        probe = self.directory / _PROBE_NAME
+        try:
+            self._write(probe, b"ok")
+            probe.unlink()
+        except OSError as exc:
+            return str(exc)
+        return None
 
     def delete(self, key: bytes) -> bool:
-        if self._lru.pop(key) is None:
-            return False
-        self._path(key).unlink(missing_ok=True)
+        with self._index_lock:
+            if key in self._in_flux or self._lru.pop(key) is None:
+                return False
+            self._in_flux.add(key)
+        self._remove(self._path(key))
+        with self._index_lock:
+            self._in_flux.discard(key)
         return True
 
     def used_bytes(self) -> int:

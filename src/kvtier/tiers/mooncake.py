@@ -11,8 +11,11 @@ host that every server can reach:
 Tier spec: `mooncake://HOST:50051[?metadata=URL&segment=SIZE&buffer=SIZE&protocol=tcp|rdma&device=mlx5_0]`
 (`mooncake:HOST:50051` works too). `metadata` defaults to `http://HOST:8080/metadata`; `segment` is
 the memory this process contributes to the pool (default 0: a `mooncake_client` memory server holds
-the pool, so blocks outlive the process); `buffer` is the client's transfer buffer (default 256MiB):
-a batched get never asks for more than that at once. The master evicts when its segments fill.
+the pool, so blocks outlive the process); `buffer` is the client's transfer buffer (default 256MiB).
+The store client takes concurrent calls (it releases the GIL), but a get and a put in flight
+together share that buffer — a put that does not fit is refused (-600) and a get that does not fit
+comes back empty — so each side moves at most half of it per call. The master evicts when its
+segments fill.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ def _reachable(host: str, port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _chunks(items: list[tuple[str, bytes]], budget_bytes: int) -> list[list[tuple[str, bytes]]]:
+    """Consecutive runs of items of at most `budget_bytes` together (an item larger than that alone)."""
+    chunks: list[list[tuple[str, bytes]]] = []
+    size = 0
+    for item in items:
+        if not chunks or size + len(item[1]) > budget_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += len(item[1])
+    return chunks
 
 
 class MooncakeBackend:
@@ -85,7 +101,7 @@ class MooncakeBackend:
         store = self._live()
         if not self._block_hint and names:
             self._block_hint = max(store.get_size(names[0]), 1)
-        per_call = max(1, self.buffer_bytes // max(self._block_hint, 1))
+        per_call = max(1, self.buffer_bytes // 2 // max(self._block_hint, 1))
         out: list[bytes | None] = []
         for i in range(0, len(names), per_call):
             for data in store.get_batch(names[i:i + per_call]):
@@ -95,11 +111,12 @@ class MooncakeBackend:
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
         self._block_hint = max([self._block_hint, *(len(d) for _, d in items)])
-        rc = self._live().put_batch([n for n, _ in items], [d for _, d in items])
-        if rc == RPC_FAIL:
-            raise PoolError(f"put failed: master {self.master} unreachable")
-        if rc < 0:
-            raise PoolFullError(f"put refused with code {rc}")
+        for chunk in _chunks(items, self.buffer_bytes // 2):
+            rc = self._live().put_batch([n for n, _ in chunk], [d for _, d in chunk])
+            if rc == RPC_FAIL:
+                raise PoolError(f"put failed: master {self.master} unreachable")
+            if rc < 0:
+                raise PoolFullError(f"put refused with code {rc}")
 
     def remove(self, name: str) -> bool:
         rc = self._live().remove(name, True)

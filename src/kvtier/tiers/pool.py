@@ -3,9 +3,12 @@ many servers use at once, so one server's prefix serves another.
 
 The service owns capacity and eviction (`capacity_bytes` is None). A backend only says how to
 connect, test, read, write and remove; this class turns every failure into a counted error and
-`healthy = False` — after which reads are misses and writes are dropped — and `reconnect()` (which
-the manager calls after a back-off) builds a fresh connection. A pool tier never raises into the
-manager and never blocks it longer than the backend's own timeouts.
+turns the tier's reads and writes off (`health.fail`) — the manager then skips it — and
+`reconnect()` (the manager's background probe) builds a fresh connection. A refused write on a full
+pool is counted and dropped; the tier stays up. A pool tier never raises into the manager and never
+blocks it longer than the backend's own timeouts. Backends take one reader and one writer at a time
+(Redis: a client over a connection pool; Mooncake: a store client that releases the GIL and splits
+its transfer buffer between the two), so a slow put never holds up a lookup.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from typing import Protocol
 
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvtier:"
@@ -45,11 +49,13 @@ class PoolTier:
         self.name = name
         self.backend = backend
         self.stats = TierStats()
-        self.healthy = False
+        self.health = TierHealth(name)
         self._written_bytes = 0
         self._written_blocks = 0
-        if connect:
-            self.reconnect()
+        if not connect:
+            self.health.fail("not connected yet")
+        elif (problem := self._connect()) is not None:
+            self.health.fail(f"connect failed: {problem}")
 
     @staticmethod
     def _names(keys: list[bytes]) -> list[str]:
@@ -57,14 +63,11 @@ class PoolTier:
 
     def _failed(self, what: str, exc: Exception) -> None:
         self.stats.errors += 1
-        if self.healthy:
-            log.warning("%s tier: %s failed (%s); serving from the other tiers until it reconnects",
-                        self.name, what, exc)
-        self.healthy = False
+        self.health.fail(f"{what} failed ({exc}); serving from the other tiers")
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        if not self.healthy or not keys:
-            return [False] * len(keys)
+        if not keys:
+            return []
         try:
             return self.backend.exists(self._names(keys))
         except PoolError as exc:
@@ -72,9 +75,6 @@ class PoolTier:
             return [False] * len(keys)
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        if not self.healthy:
-            self.stats.misses += len(keys)
-            return [None] * len(keys)
         start = time.perf_counter()
         try:
             out = self.backend.get(self._names(keys))
@@ -90,7 +90,7 @@ class PoolTier:
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """Write blocks; the service evicts on its own, so nothing is returned for demotion."""
-        if not self.healthy or not items:
+        if not items:
             return []
         start = time.perf_counter()
         try:
@@ -111,8 +111,6 @@ class PoolTier:
         return []
 
     def delete(self, key: bytes) -> bool:
-        if not self.healthy:
-            return False
         try:
             return self.backend.remove(self._names([key])[0])
         except PoolError as exc:
@@ -121,7 +119,7 @@ class PoolTier:
 
     def used_bytes(self) -> int:
         """The service's own figure where it gives one, else the bytes this process wrote."""
-        if self.healthy:
+        if self.health.readable:  # a dead service would cost a timeout per scrape
             try:
                 used = self.backend.used_bytes()
                 if used is not None:
@@ -134,25 +132,30 @@ class PoolTier:
         return self._written_blocks  # this process's writes: the service holds other servers' blocks too
 
     def reconnect(self) -> bool:
-        if self.healthy:
+        if self.health.healthy:
             return True
+        problem = self._connect()
+        if problem is None:
+            self.health.recover()
+        else:
+            self.stats.errors += 1
+            log.debug("%s tier: reconnect failed: %s", self.name, problem)
+        return problem is None
+
+    def _connect(self) -> str | None:
+        """A fresh connection; the problem if there is none."""
         try:
             self.backend.close()
         except PoolError:
             pass
         try:
             self.backend.connect()
-            self.healthy = True
-            if self.stats.errors:
-                log.warning("%s tier: reconnected", self.name)
         except PoolError as exc:
-            self.stats.errors += 1
-            log.debug("%s tier: reconnect failed: %s", self.name, exc)
-        return self.healthy
+            return str(exc)
+        return None
 
     def close(self) -> None:
         try:
             self.backend.close()
         except PoolError:
             pass
-        self.healthy = False

@@ -29,9 +29,15 @@ class RedisBackend:
             raise PoolError(f"{type(exc).__name__}: {exc}") from exc
 
     def connect(self) -> None:
-        self._client = redis_client.Redis.from_url(self.url, socket_timeout=TIMEOUT_S,
-                                                   socket_connect_timeout=TIMEOUT_S)
-        self._call(lambda c: c.ping())
+        """A client over a connection pool: thread-safe, so the reader and the writer each get a
+        connection and a lookup never waits behind a slow put."""
+        client = redis_client.Redis.from_url(self.url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+        try:
+            client.ping()
+        except redis_client.RedisError as exc:
+            client.close()
+            raise PoolError(f"{type(exc).__name__}: {exc}") from exc
+        self._client = client
 
     def exists(self, names: list[str]) -> list[bool]:
         def run(c):
