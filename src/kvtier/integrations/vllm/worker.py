@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.codecs import Codec, CorruptBlockError
+from kvtier.codecs import Codec, CorruptBlockError, Header
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.manager import TierManager
 
@@ -98,7 +98,7 @@ class WorkerSide:
             self._stats["loaded_blocks"] += num_ok
             self._stats["failed_blocks"] += len(failed)
 
-    def _decode(self, key: bytes, hdr, data: bytes) -> torch.Tensor | None:
+    def _decode(self, key: bytes, hdr: Header, data: bytes) -> torch.Tensor | None:
         try:
             kv = self.codec.decode_verified(hdr, data)
         except CorruptBlockError as exc:
@@ -139,7 +139,7 @@ class WorkerSide:
     def save(self, saves: list[SaveSpec]) -> None:
         """Copy the blocks out now (vLLM may free them after this step); encode and write later."""
         keys = [key for spec in saves for key in spec.keys]
-        if not keys:
+        if not keys or not self._views:
             return
         index = torch.tensor([b for spec in saves for b in spec.block_ids], dtype=torch.long)
         kv = torch.stack([view.index_select(0, index) for view in self._views], dim=1)  # [n, L, 2, H, T, D]
