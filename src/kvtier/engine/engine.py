@@ -186,10 +186,13 @@ class LLMEngine:
         if self.transfer is None:
             return
         for done in self.transfer.poll(timeout_s):
-            if self.scheduler.finish_load(done.request_id, len(done.blocks), done.tiers) is None:
-                continue
-            for block_id, block in zip(done.block_ids, done.blocks):
-                self.arena.write_block(block_id, block)
+            try:
+                if self.scheduler.finish_load(done.request_id, len(done.blocks), done.tiers) is None:
+                    continue
+                for block_id, block in zip(done.block_ids, done.blocks):
+                    self.arena.write_block(block_id, block)
+            finally:
+                done.release()
 
     def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
         """Copy device blocks out of the arena and hand them to the transfer worker, which encodes and
