@@ -44,6 +44,7 @@ class SchedulerOutput:
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)    # host -> (request id, block ids)
     loads: list[tuple[int, object]] = field(default_factory=list)         # (block id, tier block) to write
     recomputed: list[str] = field(default_factory=list)                   # request ids preempted by recompute
+    failed: list[Sequence] = field(default_factory=list)                  # refused at admission (finished: error)
 
 
 class Scheduler:
@@ -78,11 +79,21 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
+        return self._remove(request_id, "abort")
+
+    def fail(self, request_id: str, error: str) -> Sequence | None:
+        """Finish a request with finish_reason "error" wherever it is (its step failed)."""
+        seq = self._remove(request_id, "error")
+        if seq is not None:
+            seq.error = error
+        return seq
+
+    def _remove(self, request_id: str, reason: str) -> Sequence | None:
         for queue in (self.waiting, self.running, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, "abort")
+                    self._finish(seq, reason)
                     return seq
         return None
 
@@ -179,7 +190,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, out):
+            try:
+                admitted = self._admit(seq, out)
+            except Exception as exc:  # noqa: BLE001 — this request alone (e.g. its keys cannot be made)
+                out.failed.append(self.fail(seq.request_id, f"admission failed: {exc}"))
+                continue
+            if not admitted:
                 return
             self.waiting.popleft()
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -187,7 +203,8 @@ class Scheduler:
             budget -= num_tokens
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit."""
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit.
+        Nothing changes before the last call that can raise (`fetch_prefix`)."""
         bm, block_tokens = self.block_manager, self.block_tokens
         keys = block_keys(self._space(seq.namespace), seq.token_ids)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
@@ -226,11 +243,16 @@ class Scheduler:
         return self._spaces[namespace]
 
     # -- after the forward -----------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance the scheduled sequences; returns those that got a token (finished ones included)."""
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int],
+                    errors: dict[str, str] | None = None) -> list[Sequence]:
+        """Advance the scheduled sequences; returns those that got a token (finished ones included)
+        and those that failed (`errors`: request id -> why; finished with "error", no token)."""
         updated = []
         for chunk in out.chunks:
             seq = chunk.seq
+            if errors and seq.request_id in errors:
+                updated.append(self.fail(seq.request_id, errors[seq.request_id]))
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             self._register_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
