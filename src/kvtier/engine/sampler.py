@@ -44,4 +44,5 @@ def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     keep = sorted_probs.cumsum(dim=-1) - sorted_probs < top_ps.unsqueeze(1)
     keep[:, 0] = True
+    keep |= (top_ps >= 1).unsqueeze(1)  # float32 sums can pass 1 before the tail: top_p 1 keeps all
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill_(~keep, 0))
