@@ -17,18 +17,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
-from kvtier.engine.arena import ARENA_CODECS, make_arena
+from kvtier.engine.arena import ARENA_CODECS, KVFormat, make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Preemption, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 from kvtier.engine.transfer import KVTransfer
 
 _MiB = 1 << 20
+TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +50,19 @@ class EngineConfig:
     block_tokens: int = 256
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512   # chunked prefill: prompt tokens computed per step, all sequences together
-    preemption: str = "swap"        # "swap" to host memory; "recompute" is the baseline
+    preemption: Preemption = "swap"  # "swap" to host memory; "recompute" is the baseline
     prefix_caching: bool = True
     host_swap_bytes: int = 4096 * _MiB
     codec: str = "raw"              # how blocks are written to the tiers
-    tier_writes: str = "full"       # "full": each block as soon as it is computed; "evict": when the device evicts it
-    kv_codec: str = "raw"           # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
+    tier_writes: TierWrites = "full"  # "full": each block as soon as it is computed; "evict": when the device evicts it
+    kv_codec: KVFormat = "raw"      # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
     synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
 
     def __post_init__(self) -> None:
-        if self.preemption not in ("swap", "recompute"):
+        if self.preemption not in get_args(Preemption):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
-        if self.tier_writes not in ("full", "evict"):
+        if self.tier_writes not in get_args(TierWrites):
             raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
             raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")

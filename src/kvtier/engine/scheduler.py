@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from kvtier.blocks import KeySpace, block_keys, chain_key
 from kvtier.engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ from kvtier.manager import PrefixMatch
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
 
+Preemption = Literal["swap", "recompute"]  # to host memory, or dropped and recomputed (reloaded from the tiers)
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
 
@@ -55,10 +57,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
-                 max_prefill_tokens: int = 512, preemption: str = "swap", host_swap_blocks: int = 0,
+                 max_prefill_tokens: int = 512, preemption: Preemption = "swap", host_swap_blocks: int = 0,
                  max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None) -> None:
-        if preemption not in ("swap", "recompute"):
+        if preemption not in get_args(Preemption):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
         self.block_manager = block_manager
         self.space = space
