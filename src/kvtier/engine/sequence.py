@@ -67,6 +67,3 @@ class Sequence:
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed_tokens == self.num_tokens - 1 and self.num_generated_tokens > 0
