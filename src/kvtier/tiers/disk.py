@@ -203,18 +203,22 @@ class DiskTier:
         except OSError:
             return None
 
-    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        """Batched reads run READ_THREADS at a time: an SSD serves several outstanding reads faster
-        than one at a time (queue depth), and file reads release the GIL."""
-        start = time.perf_counter()
+    def _read_held(self, keys: list[bytes], read) -> tuple[list[bool], list]:
+        """(which keys the index holds, `read(path)` of each held one, else None). Batched reads run
+        READ_THREADS at a time: an SSD serves several outstanding reads faster than one at a time
+        (queue depth), and file reads release the GIL."""
         present = [self._holds(key) for key in keys]
         paths = [self._path(key) for key, held in zip(keys, present) if held]
         if len(paths) > 1:
             with ThreadPoolExecutor(min(READ_THREADS, len(paths))) as pool:
-                datas = iter(list(pool.map(self._read, paths)))
+                results = iter(list(pool.map(read, paths)))
         else:
-            datas = iter([self._read(p) for p in paths])
-        out = [next(datas) if held else None for held in present]
+            results = iter([read(p) for p in paths])
+        return present, [next(results) if held else None for held in present]
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        start = time.perf_counter()
+        present, out = self._read_held(keys, self._read)
         with self._index_lock:
             for key, data in zip(keys, out):
                 if data is not None:
@@ -227,14 +231,7 @@ class DiskTier:
         """Like `get_many`, each file read straight into a pooled buffer (O_DIRECT where possible);
         read-only views, valid until `release(keys)` gives the buffers back."""
         start = time.perf_counter()
-        present = [self._holds(key) for key in keys]
-        paths = [self._path(key) for key, held in zip(keys, present) if held]
-        if len(paths) > 1:
-            with ThreadPoolExecutor(min(READ_THREADS, len(paths))) as pool:
-                bufs = iter(list(pool.map(self._read_into, paths)))
-        else:
-            bufs = iter([self._read_into(p) for p in paths])
-        read = [next(bufs) if held else None for held in present]
+        present, read = self._read_held(keys, self._read_into)
         out: list[memoryview | None] = []
         with self._index_lock:
             for key, got in zip(keys, read):
@@ -307,10 +304,12 @@ class DiskTier:
 
     def _lost(self, key: bytes) -> None:
         """An indexed file failed to read: removed behind our back or unreadable (an error, dropped
-        from the index), or evicted by our own writer meanwhile (just a miss)."""
+        from the index), or evicted by our own writer meanwhile — and maybe written again since (just
+        a miss)."""
         with self._index_lock:
-            if key in self._in_flux or self._lru.pop(key) is None:
+            if key in self._in_flux or key not in self._lru or self._path(key).exists():
                 return
+            self._lru.pop(key)
         self.stats.errors += 1
 
     @staticmethod
