@@ -120,6 +120,22 @@ def test_match_then_read_asks_each_tier_once(tmp_path):
     m.close()
 
 
+def test_a_leased_read_gives_dram_views_and_releases_the_bad_ones_at_once(tmp_path):
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    dram.put_many([(K[0], _block(0)), (K[1], _block(1)), (K[2], _block(2, K[0]))])  # K[2]: a foreign block
+    prefix = m.read(m.match(K[:3]), lease=True)
+    assert [bytes(p) for p in prefix.payloads] == [_block(0), _block(1)]
+    assert all(isinstance(p, memoryview) for p in prefix.payloads)
+    assert dram.num_leased() == 2 and dram.stats.corrupt == 1  # the foreign block's lease already ended
+    prefix.release()
+    prefix.release()  # idempotent
+    assert dram.num_leased() == 0 and dram._consistent()
+    assert m.get_prefix(K[:2]) == [_block(0), _block(1)]  # the plain read copies: nothing stays leased
+    assert dram.num_leased() == 0
+    m.close()
+
+
 def test_namespaces_never_share_blocks(tmp_path):
     layout = KVLayout(1, 1, 4, "float32", 4)
     a, b = KeySpace("m", layout, namespace="a"), KeySpace("m", layout, namespace="b")

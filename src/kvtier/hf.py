@@ -249,11 +249,14 @@ class TieredCache(Cache):
         if self.manager is None or usable_blocks == 0:
             return 0
         keys = block_keys(self.space, token_ids[:usable_blocks * block_tokens])
-        prefix = self.manager.read(self.manager.match(keys))
-        blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
-        if not blocks:
-            return 0
-        self._fill(blocks, len(token_ids) + reserve_tokens)
+        prefix = self.manager.read(self.manager.match(keys), lease=True)  # DRAM: views of its slots
+        try:
+            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
+            if not blocks:
+                return 0
+            self._fill(blocks, len(token_ids) + reserve_tokens)  # the one copy, into the layer buffers
+        finally:
+            prefix.release()
         num_cached = len(blocks) * block_tokens
         for tier in prefix.tiers:
             self.prefix.hit_tokens_by_tier[tier] = self.prefix.hit_tokens_by_tier.get(tier, 0) + block_tokens

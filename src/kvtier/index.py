@@ -96,9 +96,6 @@ class LRUIndex:
             self.used -= size
         return size
 
-    def lru_key(self) -> Hashable | None:
-        return next(iter(self._key_to_size), None)
-
     def clear(self) -> None:
         self._key_to_size.clear()
         self.used = 0

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
@@ -46,14 +46,29 @@ class PrefixMatch:
 @dataclass(slots=True)
 class Prefix:
     """Blocks read for a match, each verified to be the block its key names; possibly shorter than
-    the match (a block evicted meanwhile, or bad). `headers` let callers decode without a second check."""
+    the match (a block evicted meanwhile, or bad). `headers` let callers decode without a second check.
+    Read with `lease=True`, payloads may be views of a tier's own memory (DRAM slots, pinned): the
+    caller copies what it needs, then calls `release()` (idempotent; a no-op otherwise)."""
 
-    payloads: list[bytes]
+    payloads: list[bytes | memoryview]
     headers: list[Header]
     tiers: list[str]          # the tier each block came from
+    leases: list[tuple[Tier, list[bytes]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.payloads)
+
+    def release(self) -> None:
+        leases, self.leases = self.leases, []
+        for tier, keys in leases:
+            _release(tier, keys)
+
+
+def _release(tier: Tier, keys: list[bytes]) -> None:
+    try:
+        tier.release(keys)
+    except Exception:  # noqa: BLE001 - bookkeeping only; a tier bug must not fail the reader
+        log.exception("%s tier: release raised", tier.name)
 
 
 class TierManager:
@@ -174,19 +189,25 @@ class TierManager:
         """Tier name of each block of the longest prefix of `keys` held anywhere."""
         return self.match(keys).tiers
 
-    def read(self, match: PrefixMatch) -> Prefix:
+    def read(self, match: PrefixMatch, *, lease: bool = False) -> Prefix:
         """Fetch a match's blocks (one batched get per tier) and prove each is the block its key
         names (`codecs.header.verify(data, key)`: intact, and written for that key). The prefix ends
         at the first block that is missing after all (evicted meanwhile) or bad; every bad block of
         the run is deleted from its tier at once (not one per request) and counted as corrupt, not as
-        a hit. Verified lower-tier blocks of the prefix are promoted to the top tier."""
-        fetched: dict[int, bytes | None] = {}
+        a hit. Verified lower-tier blocks of the prefix are promoted to the top tier. `lease=True`:
+        a tier that can (DRAM) hands out views of its memory instead of copies, pinned until
+        `Prefix.release()` — one copy fewer on the restore path."""
+        fetched: dict[int, bytes | memoryview | None] = {}
+        leased: dict[int, Tier] = {}
         for tier_idx in sorted(set(match.tier_indices)):
             tier = self.tiers[tier_idx]
             idxs = [i for i, t in enumerate(match.tier_indices) if t == tier_idx]
-            datas = self._guarded(tier, "get", lambda t=tier, ks=[match.keys[i] for i in idxs]: t.get_many(ks),
-                                  [None] * len(idxs))
+            keys = [match.keys[i] for i in idxs]
+            get = tier.lease_many if lease and hasattr(tier, "lease_many") else tier.get_many
+            datas = self._guarded(tier, "get", lambda g=get, ks=keys: g(ks), [None] * len(idxs))
             fetched.update(zip(idxs, datas))
+            if get is not tier.get_many:
+                leased.update((i, tier) for i, data in zip(idxs, datas) if data is not None)
         prefix = Prefix([], [], [])
         promote: list[tuple[bytes, bytes]] = []
         ended = False
@@ -203,6 +224,15 @@ class TierManager:
                 promote.append((key, data))
         if promote:
             self._put_top(promote)
+        kept = len(prefix)  # the prefix holds the leases of its own blocks; the others end now
+        by_tier: dict[int, tuple[Tier, list[bytes], list[bytes]]] = {}
+        for i, tier in leased.items():
+            by_tier.setdefault(id(tier), (tier, [], []))[1 if i < kept else 2].append(match.keys[i])
+        for tier, ours, rest in by_tier.values():
+            if ours:
+                prefix.leases.append((tier, ours))
+            if rest:
+                _release(tier, rest)
         return prefix
 
     def get_prefix(self, keys: list[bytes]) -> list[bytes]:

@@ -63,10 +63,7 @@ def test_unknown_codec_is_a_user_error():
 
 
 def test_block_of_another_codec_is_foreign():
-    from kvtier.codecs import header
-
-    payload = bytes(64)
-    block = header.frame("int4", "float32", (1, 2, 1, 2, 4), payload, KEY)
+    block = get_codec("int4").encode(torch.randn(1, 2, 1, 2, 64), KEY)
     assert verify(block, KEY).codec == "int4"
     with pytest.raises(CorruptBlockError, match="foreign"):
         CODEC.decode(block, KEY)

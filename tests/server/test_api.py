@@ -105,7 +105,9 @@ def test_metrics_and_dashboard(tiny_server):
     for name in ("kvtier_time_to_first_token_seconds_count", "kvtier_inter_token_latency_seconds_bucket",
                  'kvtier_tier_hits_total{tier="dram"}', "kvtier_requests_running", "kvtier_device_blocks_total 96.0",
                  'kvtier_requests_finished_total{finish_reason="length"}', "kvtier_prefix_hit_tokens_total",
-                 'kvtier_device_kv_codec{kv_codec="raw"} 1.0', "kvtier_device_block_bytes"):
+                 'kvtier_device_kv_codec{kv_codec="raw"} 1.0', "kvtier_device_block_bytes",
+                 "kvtier_requests_waiting_for_kv 0.0", "kvtier_step_tier_io_seconds_total",
+                 'kvtier_transfer_seconds_total{direction="load"}', 'kvtier_transfer_seconds_total{direction="store"}'):
         assert name in text, name
     ttft_count = [line for line in text.splitlines() if line.startswith("kvtier_time_to_first_token_seconds_count")]
     assert float(ttft_count[0].split()[-1]) >= 1

@@ -87,14 +87,6 @@ def pack(header: Header, key: bytes) -> bytes:
     return fields + _CHECK.pack(_header_checksum(key, fields))
 
 
-def frame(codec: str, dtype: str, shape: tuple[int, ...], payload: bytes | memoryview, key: bytes, *,
-          flags: int = 0, group_tokens: int = 0, group_size: int = 0) -> bytes:
-    """header (bound to `key`) + payload, the payload checksummed (one copy of the payload)."""
-    hdr = Header(codec, dtype, tuple(shape), len(payload), xxhash.xxh3_64_intdigest(payload),
-                 flags, group_tokens, group_size)
-    return b"".join((pack(hdr, key), payload))
-
-
 def verify(buf: bytes | memoryview, key: bytes) -> Header:
     """Check that `buf` is the intact block stored under `key` (header, key binding and payload
     checksum) without decoding it; raise CorruptBlockError (ForeignBlockError: another key's block)."""

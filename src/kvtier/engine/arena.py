@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import quant
 
-ARENA_CODECS = ("raw", "fp8", "int8", "int4", "int2")
+KVFormat = Literal["raw", "fp8", "int8", "int4", "int2"]  # the device arena's formats
+ARENA_CODECS: tuple[str, ...] = get_args(KVFormat)
 _KIVI_GROUP = quant.DEFAULT_GROUP_SIZE
 
 
@@ -42,7 +44,7 @@ def arena_block_bytes(layout: KVLayout, codec: str) -> int:
     return num_layers * h * sum(math.prod(shape) * dtype.itemsize for shape, dtype in _parts(codec, h, t, d).values())
 
 
-def make_arena(layout: KVLayout, budget_bytes: int, codec: str = "raw", *, device: torch.device | str = "cpu",
+def make_arena(layout: KVLayout, budget_bytes: int, codec: KVFormat = "raw", *, device: torch.device | str = "cpu",
                max_open_blocks: int = 0) -> "Arena":
     """The arena that fits `budget_bytes`; KIVI codecs first reserve `max_open_blocks` open blocks."""
     if codec not in ARENA_CODECS:

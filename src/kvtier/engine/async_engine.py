@@ -2,7 +2,9 @@
 
 Callers never touch the `LLMEngine`: `generate` sends an "add" command and awaits the outputs the
 loop thread pushes into the request's asyncio queue; leaving the iterator early (client gone,
-task cancelled) sends "abort". One failing step aborts the requests in it, not the server.
+task cancelled) sends "abort". A request the engine failed (finish_reason "error") raises
+`RequestFailedError` in its own stream only; a step that raises anyway fails the running requests,
+never the waiting ones, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine shut down or failed while the request was in it."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (its sampling, admission or step); the others went on."""
 
 
 class AsyncEngine:
@@ -63,6 +69,8 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.finish_reason == "error":
+                    raise RequestFailedError(item.error or "the engine failed this request")
                 yield item
         finally:
             self._streams.pop(request_id, None)
@@ -87,8 +95,8 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 — a bad step must not take the server down
-                log.exception("engine step failed; aborting its requests")
-                self._abort_all(exc)
+                log.exception("engine step failed; aborting the running requests")
+                self._abort_running(exc)
                 continue
             for output in outputs:
                 self._push(output.request_id, output)
@@ -108,10 +116,12 @@ class AsyncEngine:
             else:
                 self.engine.abort_request(command[1])
 
-    def _abort_all(self, exc: Exception) -> None:
-        for request_id in self.engine.request_ids():
+    def _abort_running(self, exc: Exception) -> None:
+        """The step raised past the engine's own isolation: the requests that were in it go (all of
+        them only if none was running, so a failure outside any sequence cannot spin forever)."""
+        for request_id in self.engine.running_request_ids() or self.engine.request_ids():
             self.engine.abort_request(request_id)
-            self._push(request_id, EngineDeadError(f"engine step failed: {exc}"))
+            self._push(request_id, RequestFailedError(f"engine step failed: {exc}"))
 
     def _push(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)

@@ -6,24 +6,42 @@ and write runs on the transfer worker (`engine/transfer.py`). Each block goes do
 it is full and computed (`tier_writes="full"`, so another server sharing a pool sees a prefix while
 this one still holds it), or when the device evicts it (`"evict"`); prefix blocks come back up while
 their sequence waits in WAITING_FOR_KV, and `step()` polls the finished loads into the arena.
+
+One request never breaks the others: a sequence that cannot be sampled, admitted or moved finishes
+with finish_reason "error" (`RequestOutput.error` says why) and the step goes on without it; a
+failed forward fails the sequences of that step only (waiting and swapped ones are untouched).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
-from kvtier.engine.arena import ARENA_CODECS, make_arena
+from kvtier.engine.arena import ARENA_CODECS, KVFormat, make_arena
 from kvtier.engine.block_manager import BlockManager
-from kvtier.engine.model_runner import ModelRunner
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.model_runner import ModelRunner, RunOutput
+from kvtier.engine.scheduler import Preemption, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 from kvtier.engine.transfer import KVTransfer
 
 _MiB = 1 << 20
+TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
+
+log = logging.getLogger(__name__)
+
+
+class ContextLengthError(ValueError):
+    """A request longer than the engine can ever hold (the message is for the client). `param` is
+    the request field to change: "prompt" or "max_tokens"."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -32,19 +50,19 @@ class EngineConfig:
     block_tokens: int = 256
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512   # chunked prefill: prompt tokens computed per step, all sequences together
-    preemption: str = "swap"        # "swap" to host memory; "recompute" is the baseline
+    preemption: Preemption = "swap"  # "swap" to host memory; "recompute" is the baseline
     prefix_caching: bool = True
     host_swap_bytes: int = 4096 * _MiB
     codec: str = "raw"              # how blocks are written to the tiers
-    tier_writes: str = "full"       # "full": each block as soon as it is computed; "evict": when the device evicts it
-    kv_codec: str = "raw"           # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
+    tier_writes: TierWrites = "full"  # "full": each block as soon as it is computed; "evict": when the device evicts it
+    kv_codec: KVFormat = "raw"      # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
     synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
 
     def __post_init__(self) -> None:
-        if self.preemption not in ("swap", "recompute"):
+        if self.preemption not in get_args(Preemption):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
-        if self.tier_writes not in ("full", "evict"):
+        if self.tier_writes not in get_args(TierWrites):
             raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
             raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
@@ -58,10 +76,11 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None   # finish_reason "error": why this request failed (the others went on)
 
 
 @dataclass(slots=True)
@@ -117,6 +136,10 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(len(prompt_token_ids), sampling.max_tokens)
+        try:
+            namespace.encode()  # block keys hash it as UTF-8
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the namespace (cache_salt) is not valid UTF-8: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, namespace)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -127,16 +150,25 @@ class LLMEngine:
         return min(self.max_model_tokens, self.num_blocks * self.layout.block_tokens)
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError (a message for the client) if such a request can never run here."""
+        """Raise ValueError (a message for the client) if such a request can never run here:
+        `ContextLengthError` when prompt + max_tokens exceeds `max_request_tokens` — rejected, never
+        clamped (a caller that wants "as much as fits" asks for `max_request_tokens - prompt`)."""
         if num_prompt_tokens <= 0:
             raise ValueError("the prompt is empty")
         if num_prompt_tokens >= self.max_model_tokens:
-            raise ValueError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
-                             f"{self.max_model_tokens} tokens")
-        num_tokens = min(num_prompt_tokens + max_tokens, self.max_model_tokens)
-        if -(-num_tokens // self.layout.block_tokens) > self.num_blocks:
-            raise ValueError(f"a request of up to {num_tokens} tokens does not fit the device KV budget "
-                             f"({self.num_blocks} blocks of {self.layout.block_tokens} tokens)")
+            raise ContextLengthError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
+                                     f"{self.max_model_tokens} tokens", "prompt")
+        num_tokens, limit = num_prompt_tokens + max_tokens, self.max_request_tokens
+        if num_tokens <= limit:
+            return
+        room = max(limit - num_prompt_tokens, 0)
+        where = (f"this model's context is {self.max_model_tokens} tokens" if limit == self.max_model_tokens else
+                 f"the device KV budget ({self.num_blocks} blocks of {self.layout.block_tokens} tokens) "
+                 f"holds {limit} tokens per request")
+        param = "max_tokens" if room else "prompt"
+        raise ContextLengthError(f"{where}; this request asks for {num_tokens} ({num_prompt_tokens} in the prompt "
+                                 f"+ max_tokens {max_tokens}). Rejected, not clamped: "
+                                 + (f"ask for at most {room} tokens" if room else "shorten the prompt"), param)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request wherever it is; False if it is not (or no longer) in the engine."""
@@ -150,35 +182,67 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def running_request_ids(self) -> list[str]:
+        """The requests that can be in the next step (admitted, not swapped)."""
+        return [seq.request_id for seq in self.scheduler.running]
+
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._finish_loads()
         out = self.scheduler.schedule()
-        self._move_blocks(out)
-        if not out.chunks and self.scheduler.loading:  # nothing to compute until a load is in
+        outputs = [self._output(seq) for seq in out.failed + self._execute(out)]
+        if not out.chunks and self.scheduler.loading:  # nothing computed: wait a little for a load to land
             self._finish_loads(timeout_s=0.05)
-        sampled = self.runner.run(out.chunks) if out.chunks else {}
-        outputs = [self._output(seq) for seq in self.scheduler.postprocess(out, sampled)]
         newly_full = self.scheduler.take_newly_full()
         if self.config.tier_writes == "full":
-            self._write_to_tiers(newly_full)
+            try:
+                self._write_to_tiers(newly_full)
+            except Exception:  # noqa: BLE001 — the blocks stay on the device; the tokens are delivered
+                log.exception("writing computed blocks to the tiers failed")
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
         self.arena.prune(lambda block_id: self.block_manager.ref_counts[block_id] > 0)
         return outputs
 
+    def _execute(self, out: SchedulerOutput) -> list[Sequence]:
+        """Move blocks, run the forward, advance the sequences; returns those with news (a token, or
+        finished with an error). A failure costs the sequences of this step, never the others."""
+        try:
+            self._move_blocks(out)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("moving KV blocks failed; failing the requests of this step")
+            # blocks registered before their KV was copied in (swap-ins) may hold anything; tier loads
+            # were handed to the transfer worker first and register only once written (_finish_loads)
+            for block_id in [b for _, ids in out.swap_in for b in ids]:
+                if self.block_manager.ref_counts[block_id] > 0:
+                    self.block_manager.unregister(block_id)
+            return self._fail(out, [r for r, _ in out.swap_out + out.swap_in], f"moving KV blocks failed: {exc}")
+        try:
+            run = self.runner.run(out.chunks) if out.chunks else RunOutput()
+        except Exception as exc:  # noqa: BLE001 — the computed KV below the step's tokens is intact
+            log.exception("the forward failed; failing the requests of this step")
+            return self._fail(out, [], f"the forward failed: {exc}")
+        return self.scheduler.postprocess(out, run.token_ids, run.errors)
+
+    def _fail(self, out: SchedulerOutput, request_ids: list[str], error: str) -> list[Sequence]:
+        """Finish the step's sequences (and `request_ids`) with an error."""
+        request_ids = [chunk.seq.request_id for chunk in out.chunks] + request_ids
+        failed = [self.scheduler.fail(request_id, error) for request_id in dict.fromkeys(request_ids)]
+        return [seq for seq in failed if seq is not None]
+
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # every read of a block comes before any write to one (a block freed by a swap-out or evicted
-        # may be reallocated in the same step)
+        # may be reallocated in the same step). Tier loads only read the tiers now; their blocks are
+        # written by a later step's _finish_loads, after this step's copies out.
+        for job in out.loads:
+            self.transfer.load(job)
         for request_id, block_ids in out.swap_out:
             self._host_kv[request_id] = self.arena.read(block_ids)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
         for request_id, block_ids in out.swap_in:
             self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
-        for job in out.loads:
-            self.transfer.load(job)
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Copy finished tier loads into the arena (on this thread: never during a forward) and let
@@ -186,10 +250,20 @@ class LLMEngine:
         if self.transfer is None:
             return
         for done in self.transfer.poll(timeout_s):
-            if self.scheduler.finish_load(done.request_id, len(done.blocks), done.tiers) is None:
-                continue
-            for block_id, block in zip(done.block_ids, done.blocks):
-                self.arena.write_block(block_id, block)
+            try:
+                if done.request_id not in self.scheduler.loading:
+                    continue  # aborted meanwhile: its blocks may be another request's by now
+                num_loaded = 0
+                try:
+                    for block_id, block in zip(done.block_ids, done.blocks):
+                        self.arena.write_block(block_id, block)
+                        num_loaded += 1
+                except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
+                    log.exception("copying a loaded prefix into the device failed")
+                # registered only now that their KV is written
+                self.scheduler.finish_load(done.request_id, num_loaded, done.tiers)
+            finally:
+                done.release()
 
     def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
         """Copy device blocks out of the arena and hand them to the transfer worker, which encodes and
@@ -207,8 +281,9 @@ class LLMEngine:
             self.step_tier_io_seconds += time.perf_counter() - start
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.request_id, [seq.token_ids[-1]], seq.finish_reason is not None, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier))
+        new_token_ids = [] if seq.finish_reason == "error" else [seq.token_ids[-1]]
+        return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason is not None, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier), seq.error)
 
     def _forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)

@@ -7,12 +7,24 @@ engine copies blocks in and out of it (swaps, tiers) directly.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
+
 import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.engine.arena import Arena
 from kvtier.engine.attention import AttentionMetadata, PagedStep, SDPABackend, paged_model
+from kvtier.engine.sampler import sample
 from kvtier.engine.scheduler import ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunOutput:
+    token_ids: dict[str, int] = field(default_factory=dict)  # request id -> the token sampled for it
+    errors: dict[str, str] = field(default_factory=dict)     # request id -> why it could not be sampled
 
 
 class ModelRunner:
@@ -27,19 +39,21 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> dict[str, int]:
-        """Compute the chunks' tokens; sample a next token for each sequence whose chunk ends its tokens."""
+    def run(self, chunks: list[ScheduledChunk]) -> RunOutput:
+        """Compute the chunks' tokens; sample a next token for each sequence whose chunk ends its tokens.
+        Raises if the forward fails (every chunk's KV is suspect); a row that cannot be sampled is
+        an error of that sequence alone."""
         meta, input_ids, positions, last_rows = self._prepare(chunks)
         self.backend.begin_step(meta)
         try:
             hidden = self.decoder(input_ids=input_ids, position_ids=positions,
                                   kvtier_step=PagedStep(self.backend, meta), use_cache=False).last_hidden_state
-        finally:  # also after a failed forward (the server aborts that step's requests and goes on)
+        finally:  # also after a failed forward (the engine fails that step's sequences and goes on)
             self.backend.end_step()
         if not last_rows:
-            return {}
+            return RunOutput()
         logits = self.lm_head(hidden[0, [row for _, row in last_rows]]).float()  # [S, vocab]
-        return {seq.request_id: self._sample(seq, logits[i]) for i, (seq, _) in enumerate(last_rows)}
+        return self._sample([seq for seq, _ in last_rows], logits)
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         """The step's flat batch and its attention metadata, built once."""
@@ -62,23 +76,50 @@ class ModelRunner:
                                  query_start_loc, seq_lens, block_tables)
         return (meta, torch.tensor([token_ids], **as_long), torch.tensor([positions], **as_long), last_rows)
 
-    def _sample(self, seq, logits: torch.Tensor) -> int:
-        sampling = seq.sampling
-        if sampling.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, 0) - sorted_probs < sampling.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq)))
+    def _sample(self, seqs: list, logits: torch.Tensor) -> RunOutput:
+        """One batched op; if it raises, each row alone, so only the rows that fail are errors."""
+        out = RunOutput()
+        generators = [self._generator(seq, out.errors) for seq in seqs]
+        try:
+            rows = self._sample_rows(seqs, logits, generators)
+        except Exception:  # noqa: BLE001 — find the culprit row(s)
+            log.exception("batched sampling failed; sampling each of its %d rows alone", len(seqs))
+            rows = [self._sample_alone(seq, logits[i:i + 1], generators[i], out.errors) for i, seq in enumerate(seqs)]
+        for seq, (token, is_bad) in zip(seqs, rows):
+            if is_bad:
+                out.errors.setdefault(seq.request_id, "sampling failed: the model's logits are NaN")
+            elif seq.request_id not in out.errors:
+                out.token_ids[seq.request_id] = token
+        return out
 
-    def _generator(self, seq) -> torch.Generator | None:
+    def _sample_rows(self, seqs: list, logits: torch.Tensor,
+                     generators: list[torch.Generator | None]) -> list[tuple[int, bool]]:
+        """(token id, could not be sampled) per row."""
+        as_float = dict(dtype=torch.float32, device=self.device)
+        temperatures = torch.tensor([seq.sampling.temperature for seq in seqs], **as_float)
+        top_ps = torch.tensor([seq.sampling.top_p for seq in seqs], **as_float)
+        token_ids, bad = sample(logits, temperatures, top_ps, generators)
+        return list(zip(token_ids.tolist(), bad.tolist()))
+
+    def _sample_alone(self, seq, logits: torch.Tensor, generator, errors: dict[str, str]) -> tuple[int, bool]:
+        try:
+            return self._sample_rows([seq], logits, [generator])[0]
+        except Exception as exc:  # noqa: BLE001
+            errors.setdefault(seq.request_id, f"sampling failed: {exc}")
+            return -1, True
+
+    def _generator(self, seq, errors: dict[str, str]) -> torch.Generator | None:
+        """The request's own generator (seeded requests), created on its first sample; a seed that
+        torch refuses is an error of that request."""
         if seq.sampling.seed is None:
             return None
         if seq.request_id not in self._generators:
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seq.sampling.seed)
+            try:
+                gen.manual_seed(seq.sampling.seed)
+            except (ValueError, RuntimeError, TypeError) as exc:
+                errors[seq.request_id] = f"sampling failed: seed {seq.sampling.seed}: {exc}"
+                return None
             self._generators[seq.request_id] = gen
         return self._generators[seq.request_id]
 

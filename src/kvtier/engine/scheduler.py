@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from kvtier.blocks import KeySpace, block_keys, chain_key
 from kvtier.engine.block_manager import BlockManager
@@ -30,6 +31,7 @@ from kvtier.manager import PrefixMatch
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
 
+Preemption = Literal["swap", "recompute"]  # to host memory, or dropped and recomputed (reloaded from the tiers)
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
 
@@ -50,14 +52,15 @@ class SchedulerOutput:
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)    # host -> (request id, block ids)
     loads: list[LoadJob] = field(default_factory=list)                    # tier blocks -> device blocks (async)
     recomputed: list[str] = field(default_factory=list)                   # request ids preempted by recompute
+    failed: list[Sequence] = field(default_factory=list)                  # refused at admission (finished: error)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
-                 max_prefill_tokens: int = 512, preemption: str = "swap", host_swap_blocks: int = 0,
+                 max_prefill_tokens: int = 512, preemption: Preemption = "swap", host_swap_blocks: int = 0,
                  max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None) -> None:
-        if preemption not in ("swap", "recompute"):
+        if preemption not in get_args(Preemption):
             raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
         self.block_manager = block_manager
         self.space = space
@@ -85,15 +88,25 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
+        return self._remove(request_id, "abort")
+
+    def fail(self, request_id: str, error: str) -> Sequence | None:
+        """Finish a request with finish_reason "error" wherever it is (its step failed)."""
+        seq = self._remove(request_id, "error")
+        if seq is not None:
+            seq.error = error
+        return seq
+
+    def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
-            self._finish(seq, "abort")
+            self._finish(seq, reason)
             return seq
         for queue in (self.waiting, self.running, self.swapped):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, "abort")
+                    self._finish(seq, reason)
                     return seq
         return None
 
@@ -195,7 +208,12 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and self.num_active < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, out):
+            try:
+                admitted = self._admit(seq, out)
+            except Exception as exc:  # noqa: BLE001 — this request alone (e.g. its keys cannot be made)
+                out.failed.append(self.fail(seq.request_id, f"admission failed: {exc}"))
+                continue
+            if not admitted:
                 return
             self.waiting.popleft()
             if seq.status is SeqStatus.WAITING_FOR_KV:
@@ -206,7 +224,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit.
-        With blocks to load from the tiers it is parked in `loading` (WAITING_FOR_KV), else RUNNING."""
+        With blocks to load from the tiers it is parked in `loading` (WAITING_FOR_KV), else RUNNING.
+        Nothing changes before the last call that can raise (`match_tiers`)."""
         bm, block_tokens = self.block_manager, self.block_tokens
         keys = block_keys(self._space(seq.namespace), seq.token_ids)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
@@ -270,11 +289,16 @@ class Scheduler:
         return self._spaces[namespace]
 
     # -- after the forward -----------------------------------------------------------------------
-    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance the scheduled sequences; returns those that got a token (finished ones included)."""
+    def postprocess(self, out: SchedulerOutput, sampled: dict[str, int],
+                    errors: dict[str, str] | None = None) -> list[Sequence]:
+        """Advance the scheduled sequences; returns those that got a token (finished ones included)
+        and those that failed (`errors`: request id -> why; finished with "error", no token)."""
         updated = []
         for chunk in out.chunks:
             seq = chunk.seq
+            if errors and seq.request_id in errors:
+                updated.append(self.fail(seq.request_id, errors[seq.request_id]))
+                continue
             seq.num_computed_tokens += chunk.num_tokens
             self._register_full_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
+
+# what torch.Generator.manual_seed accepts (negative seeds are mapped onto the unsigned range)
+MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(slots=True)
 class SamplingParams:
+    """What the sampler handles: temperature 0 (or below `sampler.MIN_TEMPERATURE`) is greedy; top_p in
+    (0, 1], a tiny top_p keeps the most likely token only; seed within `MIN_SEED..MAX_SEED`."""
+
     max_tokens: int = 64
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
@@ -18,8 +25,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"bad sampling: temperature={self.temperature}, top_p={self.top_p}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
 
 
 class SeqStatus(enum.Enum):
@@ -44,7 +55,8 @@ class Sequence:
     num_cached_tokens: int = 0        # prompt tokens found cached at (first) admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_swapped_blocks: int = 0       # blocks of KV held on the host while SWAPPED
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None          # why it failed (finish_reason "error")
     admitted: bool = False
 
     @property
@@ -55,6 +67,3 @@ class Sequence:
     def num_generated_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def is_decoding(self) -> bool:
-        return self.num_computed_tokens == self.num_tokens - 1 and self.num_generated_tokens > 0

@@ -20,7 +20,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,7 @@ class LoadDone:
     block_ids: list[int]
     blocks: list[torch.Tensor]  # decoded [L, 2, H, T, D]; possibly fewer than block_ids (bad or gone)
     tiers: list[str]            # the tier each loaded block came from
+    release: Callable[[], None] = lambda: None  # call once the blocks are copied: they may view DRAM slots
 
 
 @dataclass(slots=True)
@@ -154,12 +156,16 @@ class KVTransfer:
 
     def _run_load(self, job: LoadJob) -> LoadDone:
         start = time.perf_counter()
-        prefix = self.manager.read(job.match)
-        blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
+        prefix = self.manager.read(job.match, lease=True)  # DRAM blocks stay in place until copied
+        try:
+            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
+        except Exception:
+            prefix.release()
+            raise
         self.stats.num_loads += 1
         self.stats.num_blocks_loaded += len(blocks)
         self.stats.load_seconds += time.perf_counter() - start
-        return LoadDone(job.request_id, job.block_ids, blocks, prefix.tiers)
+        return LoadDone(job.request_id, job.block_ids, blocks, prefix.tiers, prefix.release)
 
     def _run_store(self, job: StoreJob) -> None:
         start = time.perf_counter()

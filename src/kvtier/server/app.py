@@ -2,7 +2,10 @@
 /health, /metrics (Prometheus) and a small live dashboard, in front of one `AsyncEngine`.
 
 Every bad request is answered with a 4xx and an OpenAI-style error body before it reaches the
-engine; a request that fails or whose client goes away is aborted in the engine alone.
+engine (any body the JSON parser rejects, too deep or with a huge integer included; a body cut
+short by the client is dropped quietly); a request that fails or whose client goes away — streaming
+or not — is aborted in the engine alone. `max_tokens` beyond what fits is rejected
+(`context_length_exceeded`), never clamped.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import uuid
 from dataclasses import dataclass, fields
 from importlib import resources
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from kvtier.engine import AsyncEngine, EngineDeadError, SamplingParams
+from kvtier.engine import AsyncEngine, ContextLengthError, EngineDeadError, RequestFailedError, SamplingParams
 from kvtier.server import protocol
 from kvtier.server.generation import EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
@@ -32,6 +37,10 @@ class BadRequest(Exception):
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.code, self.status = message, param, code, status
+
+
+class ClientGone(Exception):
+    """The client went away before the request was answered (its engine request, if any, is aborted)."""
 
 
 @dataclass(slots=True)
@@ -93,6 +102,11 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
     async def bad_request(request: Request, exc: BadRequest):
         return _error(state, exc.status, exc.message, param=exc.param, code=exc.code)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        state.metrics.observe_error(499)
+        return Response(status_code=499)  # nginx's "client closed request"; never delivered
+
     @app.exception_handler(RequestValidationError)
     async def validation(request: Request, exc: RequestValidationError):
         return _error(state, 400, str(exc))
@@ -125,11 +139,15 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:  # a truncated body, bad chunked encoding: the server closed the connection
+        raise ClientGone() from None
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit, depth
+        reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise BadRequest(f"the request body is not valid JSON: {reason}") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     try:
@@ -150,16 +168,27 @@ def _param(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int | None) -> SamplingParams:
+def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int | None, *,
+              default_max_tokens: int | None = None) -> SamplingParams:
+    """`max_tokens` None: `default_max_tokens`, or as much as the context and the device budget allow
+    (only a default is fitted to the room left; an explicit max_tokens that does not fit is rejected)."""
     engine = state.engine.engine
-    if max_tokens is None:  # as much as the context and the device budget allow
-        max_tokens = max(1, engine.max_request_tokens - num_prompt_tokens)
+    prompt_param = "messages" if hasattr(req, "messages") else "prompt"
+    if max_tokens is None:
+        room = max(1, engine.max_request_tokens - num_prompt_tokens)
+        max_tokens = min(default_max_tokens or room, room)
     try:
         engine.check_request(num_prompt_tokens, max_tokens)
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+    except ContextLengthError as exc:
+        param = prompt_param if exc.param == "prompt" else _max_tokens_param(req)
+        raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
     except ValueError as exc:
-        code = "context_length_exceeded" if "context" in str(exc) else None
-        raise BadRequest(str(exc), param="messages" if hasattr(req, "messages") else "prompt", code=code) from None
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        raise BadRequest(str(exc), param=prompt_param) from None
+
+
+def _max_tokens_param(req) -> str:
+    return "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -174,9 +203,9 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             if max(prompt_ids) >= state.vocab_size:
                 raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({state.vocab_size})",
                                  param="prompt")
-        max_tokens = req.max_tokens if req.max_tokens is not None else _DEFAULT_COMPLETION_TOKENS
-        gen = _generation(state, "cmpl", req, prompt_ids, _sampling(state, req, len(prompt_ids), max_tokens), started_at)
-        return await _respond(state, gen, req, _completion_events, protocol.completion)
+        sampling = _sampling(state, req, len(prompt_ids), req.max_tokens, default_max_tokens=_DEFAULT_COMPLETION_TOKENS)
+        gen = _generation(state, "cmpl", req, prompt_ids, sampling, started_at)
+        return await _respond(state, request, gen, req, _completion_events, protocol.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -190,14 +219,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
             raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
         gen = _generation(state, "chatcmpl", req, prompt_ids,
                           _sampling(state, req, len(prompt_ids), req.token_limit()), started_at)
-        return await _respond(state, gen, req, _chat_events, protocol.chat_completion)
+        return await _respond(state, request, gen, req, _chat_events, protocol.chat_completion)
 
 
-async def _respond(state: ServerState, gen: Generation, req, events, body):
+async def _respond(state: ServerState, request: Request, gen: Generation, req, events, body):
     """SSE of `events(state, gen, req)` when streaming, else the whole text in `body(...)`."""
     if req.stream:
         return _sse(events(state, gen, req))
-    text = await _collect(state, gen)
+    text = await _collect(state, request, gen)
     if isinstance(text, Response):
         return text
     return body(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
@@ -225,13 +254,40 @@ def _record(state: ServerState, gen: Generation) -> None:
                        trace_hash_ids(gen.prompt_token_ids, gen.namespace))
 
 
-async def _collect(state: ServerState, gen: Generation) -> str | Response:
+async def _collect(state: ServerState, request: Request, gen: Generation) -> str | Response:
     try:
-        return await gen.collect()
+        return await _unless_disconnected(request, gen.collect())
+    except RequestFailedError as exc:
+        return _error(state, 500, str(exc))
     except (EngineAbortedError, EngineDeadError) as exc:
         return _error(state, 503, str(exc))
     except ValueError as exc:  # refused by the engine after all
         return _error(state, 400, str(exc))
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelled (raising ClientGone) as soon as the client disconnects. The body has
+    been read, so the next ASGI message is `http.disconnect` (uvicorn sends it when the socket closes)."""
+    result, error, gone = None, None, False
+    async with anyio.create_task_group() as tasks:
+        async def watch() -> None:
+            nonlocal gone
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(watch)
+        try:
+            result = await work
+        except Exception as exc:  # noqa: BLE001 — re-raised below, not wrapped in an ExceptionGroup
+            error = exc
+        tasks.cancel_scope.cancel()
+    if gone:
+        raise ClientGone()
+    if error is not None:
+        raise error
+    return result
 
 
 def _sse(events) -> StreamingResponse:
@@ -251,8 +307,8 @@ async def _stream(state: ServerState, gen: Generation, req, chunk, object_: str)
         yield _event(chunk(None, gen.finish_reason))
         if req.include_usage():
             yield _event(protocol.usage_chunk(gen.request_id, state.model_name, object_, gen.usage()))
-    except (EngineAbortedError, EngineDeadError, ValueError) as exc:
-        state.metrics.observe_error(503)
+    except (EngineAbortedError, EngineDeadError, RequestFailedError, ValueError) as exc:
+        state.metrics.observe_error(500 if isinstance(exc, RequestFailedError) else 503)
         yield _event(protocol.error_body(str(exc), type="server_error"))
     yield "data: [DONE]\n\n"
 

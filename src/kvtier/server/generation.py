@@ -2,7 +2,9 @@
 
 `Generation.deltas()` drives `AsyncEngine.generate`, turns token ids into text (with stop
 strings), observes TTFT and inter-token latency, and aborts the engine request whenever it ends
-early: a stop string, an error, or the client going away (the HTTP task is cancelled).
+early: a stop string, an error, or the client going away (the HTTP task is cancelled; for a
+non-streaming request by the app's disconnect watcher). A request the engine failed alone raises
+`RequestFailedError` and is counted with finish reason "error".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
+from kvtier.engine import RequestFailedError
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import usage
 from kvtier.server.text import TextStream
@@ -35,6 +38,7 @@ class Generation:
         self.started_at = started_at
         self.text = TextStream(tokenizer, stops)
         self.finish_reason: str | None = None
+        self.failed = False  # the engine finished it with an error
         self.num_cached_tokens = 0
         self.num_generated_tokens = 0
         self.on_finish = on_finish  # called with this Generation once it finished normally
@@ -68,6 +72,9 @@ class Generation:
                     yield delta
                 if self.finish_reason is not None:
                     break
+        except RequestFailedError:
+            engine_done = self.failed = True
+            raise
         finally:
             # Shielded: when the client disconnects this task is cancelled, and every await in an
             # anyio-cancelled scope would be cancelled again before the engine heard of it.
@@ -81,7 +88,8 @@ class Generation:
                 self.on_finish(self)
 
     def _count_finished(self) -> None:
-        self.metrics.observe_finished(self.finish_reason or "abort", len(self.prompt_token_ids),
+        reason = self.finish_reason or ("error" if self.failed else "abort")
+        self.metrics.observe_finished(reason, len(self.prompt_token_ids),
                                       self.num_cached_tokens, self.num_generated_tokens)
 
     async def collect(self) -> str:

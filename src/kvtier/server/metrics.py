@@ -70,6 +70,10 @@ class EngineView:
     prefix_hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     kv_codec: str = "raw"
     device_block_bytes: int = 0
+    num_waiting_for_kv: int = 0
+    step_tier_io_seconds: float = 0.0
+    transfer_load_seconds: float = 0.0
+    transfer_store_seconds: float = 0.0
 
 
 def tier_views(manager) -> list[TierView]:
@@ -193,6 +197,8 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
         ("kvtier_requests_running", "Requests in the running batch", engine.num_running),
         ("kvtier_requests_waiting", "Requests waiting for admission", engine.num_waiting),
         ("kvtier_requests_swapped", "Requests preempted and swapped to host memory", engine.num_swapped),
+        ("kvtier_requests_waiting_for_kv", "Requests admitted whose cached prefix is being loaded from the tiers",
+         engine.num_waiting_for_kv),
         ("kvtier_device_blocks_used", "Device KV blocks held by sequences", engine.num_device_blocks_used),
         ("kvtier_device_blocks_cached", "Free device KV blocks still holding a cached prefix block",
          engine.num_device_blocks_cached),
@@ -206,6 +212,14 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
     codec.add_metric([engine.kv_codec], 1.0)
     yield codec
     yield CounterMetricFamily("kvtier_preemptions", "Sequences preempted", value=engine.num_preemptions)
+    yield CounterMetricFamily("kvtier_step_tier_io_seconds", "Time the engine's step thread spent in tier calls "
+                              "(prefix matches; reads and writes run on the transfer worker)",
+                              value=engine.step_tier_io_seconds)
+    transfer = CounterMetricFamily("kvtier_transfer_seconds", "Time the transfer worker spent moving KV between "
+                                   "the device and the tiers", labels=["direction"])
+    transfer.add_metric(["load"], engine.transfer_load_seconds)
+    transfer.add_metric(["store"], engine.transfer_store_seconds)
+    yield transfer
     hits = CounterMetricFamily("kvtier_prefix_hit_tokens", "Prompt tokens found cached, by where they were found",
                                labels=["tier"])
     for tier, num_tokens in sorted(engine.prefix_hit_tokens_by_tier.items()):

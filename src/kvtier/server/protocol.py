@@ -3,6 +3,11 @@
 Requests are strict pydantic models: `"max_tokens": "5"` is a type error (OpenAI rejects it too),
 unknown extra fields are ignored (clients send vendor fields). Responses are plain dicts in
 OpenAI's shape; `openai`'s client parses them.
+
+Sampling fields are held to what the sampler handles: temperature in [0, 2] (below
+`sampler.MIN_TEMPERATURE`, 1e-5, it is greedy), top_p in (0, 1] (a tiny top_p keeps the top token),
+seed within what `torch.Generator.manual_seed` accepts; every string must be encodable as UTF-8
+(JSON's `"\ud800"` escapes give lone surrogates, which tokenizers and block keys cannot hash).
 """
 
 from __future__ import annotations
@@ -10,9 +15,22 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from kvtier.engine.sequence import MAX_SEED, MIN_SEED
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"must be valid UTF-8 (a lone surrogate at position {exc.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class StreamOptions(BaseModel):
@@ -24,16 +42,16 @@ class _SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = _STRICT
-    model: str
+    model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] = 1.0
+    seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
+    stop: Text | list[Text] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None  # vLLM's field: the engine namespace that isolates a tenant's prefix cache
+    cache_salt: Text | None = None  # vLLM's field: the engine namespace that isolates a tenant's prefix cache
 
     @field_validator("n")
     @classmethod
@@ -61,19 +79,19 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     # A text prompt or its token ids (batches of prompts are not supported: n=1, one prompt).
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    prompt: Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

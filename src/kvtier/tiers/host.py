@@ -5,6 +5,11 @@ array, recency in the shared `LRUIndex`. Payload bytes live in the arena tensor.
 block's bookkeeping and copy (memory-speed work), so the manager's reader and writer may call at the
 same time and neither waits longer than one block copy.
 
+Zero-copy reads: `lease_many(keys)` hands out read-only views of the slots themselves and pins
+them until `release(keys)`, so the reader verifies and decodes straight from the arena and copies
+once, into its destination. A pinned slot is never evicted nor reused: a put that finds every slot
+pinned is dropped (counted), and a key deleted while leased frees its slot at its last release.
+
 A block larger than a slot is the caller's bug for that block: it is counted as an error and
 skipped, the tier stays up. Memory does not fail, but a tier that raised (a bug) is turned off by
 the manager; `reconnect()` checks the bookkeeping, drops the contents if it no longer adds up, and
@@ -47,6 +52,10 @@ class HostTier:
         self.health = TierHealth(self.name)
         self._lock = threading.Lock()
         self._num_oversize = 0
+        self._slot_pins = np.zeros(self.num_slots, dtype=np.int64)
+        self._leases: dict[bytes, list[int]] = {}   # key -> slots leased under it, not yet released
+        self._orphans: set[int] = set()             # pinned slots whose key was deleted meanwhile
+        self.num_dropped_puts = 0                   # every slot pinned: nothing to evict
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
@@ -74,6 +83,48 @@ class HostTier:
         self.stats.read_seconds += time.perf_counter() - start
         return out
 
+    def lease_many(self, keys: list[bytes]) -> list[memoryview | None]:
+        """Like `get_many`, without the copy: read-only views of the slots, pinned until `release`."""
+        start = time.perf_counter()
+        out: list[memoryview | None] = []
+        for key in keys:
+            with self._lock:
+                slot = self._key_to_slot.get(key)
+                if slot is not None:
+                    self._lru.touch(key)
+                    self._slot_pins[slot] += 1
+                    self._leases.setdefault(key, []).append(slot)
+            if slot is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            offset = slot * self.slot_bytes
+            view = memoryview(self._arena_np[offset:offset + self._slot_len[slot]]).toreadonly()
+            self.stats.hits += 1
+            self.stats.bytes_read += len(view)
+            out.append(view)
+        self.stats.read_seconds += time.perf_counter() - start
+        return out
+
+    def release(self, keys: list[bytes]) -> None:
+        """End the leases `lease_many` gave out for `keys` (one each): their slots may move again."""
+        with self._lock:
+            for key in keys:
+                slots = self._leases.get(key)
+                if not slots:
+                    continue
+                slot = slots.pop()
+                if not slots:
+                    del self._leases[key]
+                self._slot_pins[slot] -= 1
+                if self._slot_pins[slot] == 0 and slot in self._orphans:
+                    self._orphans.discard(slot)
+                    self._free_slots.append(slot)
+                    self._lru.capacity = self.num_slots - len(self._orphans)
+
+    def num_leased(self) -> int:
+        return int(np.count_nonzero(self._slot_pins))
+
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """Store blocks; returns the evicted (key, data), least recently used first."""
         start = time.perf_counter()
@@ -92,7 +143,11 @@ class HostTier:
 
     def _put(self, key: bytes, data: bytes) -> list[tuple[bytes, bytes]]:
         evicted = []
-        for victim, _ in self._lru.insert(key, 1):
+        victims = self._lru.insert(key, 1, pinned=self._leases.keys())
+        if victims is None:  # every slot is leased out
+            self.num_dropped_puts += 1
+            return evicted
+        for victim, _ in victims:
             slot = self._key_to_slot.pop(victim)
             evicted.append((victim, self._read(slot)))
             self._free_slots.append(slot)
@@ -119,8 +174,12 @@ class HostTier:
             if slot is None:
                 return False
             self._lru.pop(key)
-            self._free_slots.append(slot)
-            self._slot_len[slot] = 0
+            if self._slot_pins[slot]:  # a reader still holds a view of it: freed at its last release
+                self._orphans.add(slot)
+                self._lru.capacity = self.num_slots - len(self._orphans)
+            else:
+                self._free_slots.append(slot)
+                self._slot_len[slot] = 0
             return True
 
     def used_bytes(self) -> int:
@@ -140,16 +199,18 @@ class HostTier:
                             len(self._key_to_slot))
                 self._key_to_slot.clear()
                 self._lru.clear()
-                self._free_slots = list(range(self.num_slots - 1, -1, -1))
-                self._slot_len[:] = 0
+                # a slot still leased to a reader stays out of use until its release
+                self._orphans = {slot for slot in range(self.num_slots) if self._slot_pins[slot]}
+                self._free_slots = [slot for slot in range(self.num_slots - 1, -1, -1) if slot not in self._orphans]
+                self._lru.capacity = self.num_slots - len(self._orphans)
         self.health.recover()
         return True
 
     def _consistent(self) -> bool:
         slots = set(self._key_to_slot.values())
         return (len(slots) == len(self._key_to_slot) == len(self._lru)
-                and len(slots) + len(self._free_slots) == self.num_slots
-                and slots.isdisjoint(self._free_slots) and all(key in self._lru for key in self._key_to_slot))
+                and len(slots) + len(self._free_slots) + len(self._orphans) == self.num_slots
+                and slots.isdisjoint(self._free_slots) and slots.isdisjoint(self._orphans) and all(key in self._lru for key in self._key_to_slot))
 
     def close(self) -> None:
         pass
