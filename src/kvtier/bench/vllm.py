@@ -158,10 +158,10 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     loaded = models.load("smollm2", device="cpu")
     model_dir = models.cache_dir() / "smollm2-135m-instruct"
     convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
+    num_blocks = device_kv_tokens // BLOCK_TOKENS
     reqs = trace_requests(shared_data_file(MOONCAKE_TRACE), num_requests=trace_requests_, start=trace_start,
                           block_tokens=16, max_tokens=w.max_tokens, time_scale=time_scale,
-                          max_context=2048) if trace else None
-    num_blocks = device_kv_tokens // BLOCK_TOKENS
+                          max_context=(num_blocks - 1) * BLOCK_TOKENS) if trace else None
     results: dict[str, SystemResult] = {}
     for name in systems:
         with ExitStack() as stack:
