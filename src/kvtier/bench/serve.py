@@ -416,8 +416,6 @@ def add_command(bench) -> None:
               plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system")) -> None:
         """Multi-turn chat (or the Mooncake trace): kvtier with tiers vs device-only prefix cache +
         recompute vs plain generate."""
-        import json
-
         from kvtier.errors import UserError
 
         names = tuple(s.strip() for s in systems.split(","))
@@ -441,13 +439,21 @@ def add_command(bench) -> None:
         if plot_path:
             plot(rows, plot_path, f"kvtier bench serve --workload {workload} (SmolLM2 on this machine)"
                  if model == "smollm2" else f"kvtier bench serve --workload {workload} --model {model}")
-        if json_out:
-            print(json.dumps(rows))
-            return
-        print(render(rows))
-        for r in rows:
-            if r["first_error"]:
-                print(f"{r['system']}: first failure: {r['first_error']}")
+        print_rows(rows, json_out)
+
+
+def print_rows(rows: list[dict], as_json: bool, table=None) -> None:
+    """The rows as JSON, or as a markdown table (`table(rows)`, default `render`) with each system's
+    first failure under it."""
+    import json
+
+    if as_json:
+        print(json.dumps(rows))
+        return
+    print((table or render)(rows))
+    for r in rows:
+        if r["first_error"]:
+            print(f"{r['system']}: first failure: {r['first_error']}")
 
 
 def render(rows: list[dict]) -> str:

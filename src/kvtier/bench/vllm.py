@@ -219,7 +219,7 @@ def add_command(bench) -> None:
              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
              log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)")) -> None:
         """vLLM alone vs vLLM + kvtier (SSD, pool) vs vLLM + ExampleConnector vs kvtier serve, one budget."""
-        from kvtier.bench.serve import plot
+        from kvtier.bench.serve import plot, print_rows
         from kvtier.errors import UserError
 
         names = tuple(s.strip() for s in systems.split(","))
@@ -233,10 +233,4 @@ def add_command(bench) -> None:
         if plot_path:
             plot(rows, plot_path, f"kvtier bench vllm --workload {workload} (SmolLM2 fp32, {device_kv_tokens} "
                                   "device KV tokens, this machine)")
-        if json_out:
-            print(json.dumps(rows))
-            return
-        print(render(rows))
-        for r in rows:
-            if r["first_error"]:
-                print(f"{r['system']}: first failure: {r['first_error']}")
+        print_rows(rows, json_out, render)
