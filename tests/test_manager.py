@@ -252,7 +252,7 @@ class _SlowBackend:
         self.release = threading.Event()
 
     def connect(self) -> None:
-        pass
+        """Always reachable."""
 
     def exists(self, names):
         return [n in self.name_to_data for n in names]
@@ -272,7 +272,7 @@ class _SlowBackend:
         return None
 
     def close(self) -> None:
-        pass
+        """Nothing to close."""
 
 
 def test_reads_do_not_wait_behind_a_slow_write():

@@ -194,8 +194,8 @@ def _send_raw(url: str, data: bytes) -> None:
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(10)
-        while sock.recv(4096):  # until the server closes
-            pass
+        while sock.recv(4096):  # drain until the server closes
+            continue
 
 
 def test_truncated_bodies_and_bad_chunking_are_dropped_quietly(server):

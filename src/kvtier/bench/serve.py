@@ -62,6 +62,11 @@ class SystemResult:
     step_tier_io_s: float = 0.0     # the engine step thread's time in tier calls
     transfer_s: float = 0.0         # the transfer worker's time in tier loads and stores
 
+    def fail(self, exc: BaseException) -> None:
+        """Count a failed request; keep the first error's text."""
+        self.num_failed += 1
+        self.first_error = self.first_error or f"{type(exc).__name__}: {exc}"
+
     def row(self, reference: "SystemResult | None") -> dict:
         ttfts = sorted(t.ttft_s for t in self.turns.values())
         itls = sorted(x for t in self.turns.values() for x in t.itl_s)
@@ -77,6 +82,27 @@ class SystemResult:
                 "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
                 "preemptions": self.num_preemptions, "step_tier_io_s": self.step_tier_io_s,
                 "transfer_s": self.transfer_s, "same_text_as_generate": same, "first_error": self.first_error}
+
+
+class TurnClock:
+    """One request's TTFT (submit to first token, queueing included) and the gaps after it: `tick()`
+    at each token (or chunk) that arrives."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.ttft: float | None = None
+        self.itl: list[float] = []
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last)
+        self.last = now
+
+    def turn(self, token_ids: list[int]) -> Turn:
+        return Turn(self.ttft or 0.0, self.itl, token_ids)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -163,22 +189,15 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
 async def _request(async_engine, result: SystemResult, key, ids: list[int], sampling) -> list[int] | None:
     """One request through the engine: its TTFT and inter-token gaps into `result`; None on failure."""
     result.num_prompt_tokens += len(ids)
-    start = last = time.perf_counter()
-    ttft, itl, tokens = None, [], []
+    clock, tokens = TurnClock(), []
     try:
         async for out in async_engine.generate(f"r{key}", ids, sampling):
-            now = time.perf_counter()
-            if ttft is None:
-                ttft = now - start
-            else:
-                itl.append(now - last)
-            last = now
+            clock.tick()
             tokens += out.new_token_ids
     except Exception as exc:  # noqa: BLE001 — counted, the others go on
-        result.num_failed += 1
-        result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+        result.fail(exc)
         return None
-    result.turns[key] = Turn(ttft, itl, tokens)
+    result.turns[key] = clock.turn(tokens)
     return tokens
 
 

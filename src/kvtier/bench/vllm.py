@@ -21,7 +21,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvtier.bench.serve import SystemResult, Turn, Workload, _prompt, conversations, trace_requests
+from kvtier.bench.serve import SystemResult, TurnClock, Workload, _prompt, conversations, trace_requests
 
 SYSTEMS = ("vllm", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "kvtier-serve")
 
@@ -31,8 +31,7 @@ async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens:
     body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     result.num_prompt_tokens += len(ids)
-    start = last = time.perf_counter()
-    ttft, itl, text, tokens = None, [], [], []
+    clock, text, tokens = TurnClock(), [], []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as reply:
             if reply.status_code != 200:
@@ -43,19 +42,13 @@ async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens:
                 choices = json.loads(line[6:]).get("choices") or []
                 if not choices or not (choices[0].get("text") or choices[0].get("token_ids")):
                     continue
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    itl.append(now - last)
-                last = now
+                clock.tick()
                 text.append(choices[0].get("text") or "")
                 tokens += choices[0].get("token_ids") or []
     except Exception as exc:  # noqa: BLE001 - counted; the other users go on
-        result.num_failed += 1
-        result.first_error = result.first_error or f"{type(exc).__name__}: {exc}"
+        result.fail(exc)
         return None
-    result.turns[key] = Turn(ttft or 0.0, itl, tokens)
+    result.turns[key] = clock.turn(tokens)
     return "".join(text)
 
 
