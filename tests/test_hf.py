@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.hf import TieredCache
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 BLOCK = 16
 
@@ -191,7 +191,7 @@ def _generate_in_two_processes(specs: list[str]) -> tuple[dict, dict]:
 import json, sys, torch
 from kvtier import models
 from kvtier.generate_cli import run_generate
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 loaded = models.load("tiny", device="cpu")
 m = build_manager({specs!r}, slot_bytes=loaded.kv_layout({BLOCK}).block_bytes + 4096)
 ids = torch.randint(0, 256, (1, 90), generator=torch.Generator().manual_seed(7))[0].tolist()

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.codecs import get_codec
-from kvtier.manager import TierManager, build_manager
+from kvtier.tiers.manager import TierManager, build_manager
 from kvtier.tiers import Backoff, DiskTier, HostTier
 from kvtier.tiers.pool import KEY_PREFIX, PoolTier
 

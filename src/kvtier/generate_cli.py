@@ -136,7 +136,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics."""
         from kvtier import models
-        from kvtier.manager import build_manager
+        from kvtier.tiers.manager import build_manager
         from kvtier.units import parse_bytes
 
         if (prompt is None) == (prompt_file is None):

@@ -11,7 +11,7 @@ from kv_strategies import make_tensor, tensors
 from kvtier.blocks import KVLayout
 from kvtier.codecs import CODEC_NAMES, CorruptBlockError, get_codec, verify
 from kvtier.codecs.header import HEADER_BYTES
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=64, dtype="bfloat16", block_tokens=256)
 KEY = bytes(range(16))  # a block is bound to the key it is stored under

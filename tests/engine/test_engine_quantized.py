@@ -14,7 +14,7 @@ from kvtier import models
 from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
 from kvtier.engine.arena import arena_block_bytes
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_support import reference  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.codecs import get_codec
 from kvtier.engine import ContextLengthError, EngineConfig, LLMEngine, SamplingParams
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_support import reference  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
-from kvtier.manager import TierManager
+from kvtier.tiers.manager import TierManager
 from kvtier.tiers import Backoff, DiskTier, HostTier
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvtier.codecs import get_codec
 from kvtier.engine import SamplingParams
 from kvtier.engine.sequence import SeqStatus
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_support import reference  # noqa: E402

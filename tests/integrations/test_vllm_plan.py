@@ -10,7 +10,7 @@ from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.plan import LoadSpec, RequestTracker, SaveSpec, request_namespace
 from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 T = 4  # block tokens
 SPACE = KeySpace("fp", KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=T), "raw")

@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.codecs import get_codec
 from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 from kvtier.server.app import create_app
 from kvtier.server.tokenizer import ByteTokenizer
 from kvtier.services import MooncakePool, RedisServer

@@ -6,7 +6,7 @@ import httpx
 
 from kvtier.codecs import get_codec
 from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 from kvtier.server.app import create_app
 from kvtier.server.tokenizer import ByteTokenizer
 from kvtier.sim.cluster import ClusterConfig

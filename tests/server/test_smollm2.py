@@ -9,7 +9,7 @@ import torch
 
 from kvtier.codecs import get_codec
 from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 from kvtier.server.app import create_app
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -6,7 +6,7 @@ import os
 import torch
 
 from kvtier.codecs import get_codec
-from kvtier.manager import TierManager
+from kvtier.tiers.manager import TierManager
 from kvtier.server.metrics import EngineView, ServerMetrics
 from kvtier.tiers import Backoff, DiskTier, HostTier
 

@@ -14,7 +14,7 @@ import xxhash
 
 from kvtier.codecs import get_codec
 from kvtier.errors import UserError
-from kvtier.manager import TierManager, build_manager
+from kvtier.tiers.manager import TierManager, build_manager
 from kvtier.server.metrics import EngineView, ServerMetrics
 from kvtier.tiers import Backoff, DiskTier, HostTier, make_tier
 from kvtier.tiers.mooncake import parse_spec

@@ -167,7 +167,7 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
     from kvtier import models, services
     from kvtier.codecs import get_codec
     from kvtier.data import SHAKESPEARE, shared_data_file
-    from kvtier.manager import build_manager
+    from kvtier.tiers.manager import build_manager
 
     pool_urls = dict(pool_urls or {})
     loaded = models.load(model)

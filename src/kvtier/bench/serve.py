@@ -161,7 +161,7 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
     """A started AsyncEngine (+ its tier stack) and the SystemResult it fills; stats on exit."""
     from kvtier.codecs import get_codec
     from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
-    from kvtier.manager import build_manager
+    from kvtier.tiers.manager import build_manager
 
     layout = loaded.kv_layout(block_tokens)
     manager = build_manager(tier_specs, slot_bytes=get_codec("raw").max_encoded_bytes(layout)) if tier_specs else None

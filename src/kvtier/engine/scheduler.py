@@ -26,7 +26,7 @@ from kvtier.blocks import KeySpace, block_keys, chain_key
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.sequence import Sequence, SeqStatus
 from kvtier.engine.transfer import LoadJob
-from kvtier.manager import PrefixMatch
+from kvtier.tiers.manager import PrefixMatch
 
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.codecs import Codec
-from kvtier.manager import PrefixMatch, TierManager
+from kvtier.tiers.manager import PrefixMatch, TierManager
 
 log = logging.getLogger(__name__)
 

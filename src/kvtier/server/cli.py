@@ -10,7 +10,7 @@ def build_app(config):
     from kvtier import models
     from kvtier.codecs import get_codec
     from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
-    from kvtier.manager import build_manager
+    from kvtier.tiers.manager import build_manager
     from kvtier.server.app import create_app
     from kvtier.server.tokenizer import ByteTokenizer
     from kvtier.units import parse_bytes

@@ -28,7 +28,7 @@ from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMet
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.manager import build_manager
+from kvtier.tiers.manager import build_manager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 

@@ -12,7 +12,7 @@ import logging
 
 from kvtier.blocks import KeySpace
 from kvtier.integrations.vllm.plan import LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords, request_namespace
-from kvtier.manager import TierManager
+from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 

@@ -22,7 +22,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError, Header
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
-from kvtier.manager import TierManager
+from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 
