@@ -65,6 +65,27 @@ def test_prefix_is_reused_from_dram_and_output_is_identical(tmp_path, tiny_model
     manager.close()
 
 
+def test_a_reset_cache_serves_the_next_request_in_the_same_buffers(tmp_path, tiny_model):
+    """`reset()` (the `StaticCache.reset` idiom of a serving loop): the next request's prefix is
+    restored into the pages the last one used, and its greedy tokens still equal DynamicCache's."""
+    manager = _manager(tmp_path, tiny_model)
+    ids, other = _prompt(5 * BLOCK + 3), _prompt(3 * BLOCK + 5, seed=1)
+    cache = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    cache.load_prefix(ids, reserve_tokens=12)
+    out = _greedy(tiny_model, ids, cache)
+    cache.store(torch.cat([ids[0], torch.tensor(out)]))
+    pointers = [layer.buffers()[0].data_ptr() for layer in cache.layers]
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.prefix.cached_tokens == 0
+    assert cache.load_prefix(ids, reserve_tokens=12) == 5 * BLOCK
+    assert [layer.buffers()[0].data_ptr() for layer in cache.layers] == pointers
+    assert _greedy(tiny_model, ids, cache) == out
+    cache.reset()  # another prompt, nothing cached: computed in the same buffers
+    assert cache.load_prefix(other) == 0
+    assert _greedy(tiny_model, other, cache) == _greedy(tiny_model, other, DynamicCache(config=tiny_model.config))
+    manager.close()
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4+zstd"])
 def test_lossy_codec_prefix_loads_exactly_the_decoded_blocks(tmp_path, tiny_model, codec):
     """A quantized tier codec: what the second request gets is exactly decode(encode(KV)), block by

@@ -136,6 +136,43 @@ def test_a_leased_read_gives_dram_views_and_releases_the_bad_ones_at_once(tmp_pa
     m.close()
 
 
+def test_a_stream_verifies_each_block_as_it_is_pulled_and_settles_at_the_end(tmp_path):
+    """`stream` gives the same verified prefix as `read`, one leased block at a time: a block is
+    checked only when pulled (so its copy reads it from cache); the bad blocks past the prefix are
+    dropped, the lower tiers' blocks promoted and every lease ended when the iteration ends."""
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    dram.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    ssd.put_many([(K[2], _block(2)), (K[3], _block(3, K[1])), (K[4], _block(4, K[0]))])  # K[3], K[4]: foreign
+    match = m.match(K[:5])
+    assert match.tiers == ["dram", "dram", "ssd", "ssd", "ssd"]
+    checked: list[bytes] = []
+    import kvtier.tiers.manager as manager_module
+    verify = manager_module.verify
+    manager_module.verify = lambda data, key: (checked.append(key), verify(data, key))[1]
+    try:
+        stream = m.stream(match)
+        first = next(stream)
+        assert checked == [K[0]]  # nothing else verified yet
+        assert first.key == K[0] and first.tier == "dram" and bytes(first.payload) == _block(0)
+        assert isinstance(first.payload, memoryview) and dram.num_leased() == 2  # DRAM read in place
+        rest = [(b.key, bytes(b.payload), b.tier) for b in stream]
+    finally:
+        manager_module.verify = verify
+    assert rest == [(K[1], _block(1), "dram"), (K[2], _block(2), "ssd")]
+    assert checked == K[:5]  # the foreign pair was checked once the prefix ended
+    assert ssd.stats.corrupt == 2 and ssd.contains_many(K[3:5]) == [False, False]
+    assert dram.num_leased() == 0 and dram.contains_many([K[2]]) == [True]  # leases ended, K[2] promoted
+    # a consumer that stops early ends every lease, and what it did not take is not promoted
+    dram.delete(K[2])
+    stream = m.stream(m.match([K[0], K[1], K[2]]))
+    assert next(stream).key == K[0]
+    stream.close()
+    assert dram.num_leased() == 0 and dram.contains_many([K[2]]) == [False]
+    assert dram._consistent()
+    m.close()
+
+
 def test_namespaces_never_share_blocks(tmp_path):
     layout = KVLayout(1, 1, 4, "float32", 4)
     a, b = KeySpace("m", layout, namespace="a"), KeySpace("m", layout, namespace="b")

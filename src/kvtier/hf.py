@@ -21,6 +21,7 @@ Four things over `DynamicCache`:
 
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -42,14 +43,33 @@ class PrefixStats:
     stored_blocks: int = 0
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src. On the CPU a plain single-threaded memcpy (numpy over the bytes): a restore is
-    memory-bound, and torch's multi-threaded copy of many mid-sized slices collapses (10-100x) when
-    the cores are shared with other work. Devices and dtype changes go through `copy_`."""
-    if dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype and dst.stride(-1) == src.stride(-1) == 1:
-        dst.view(torch.uint8).numpy()[...] = src.view(torch.uint8).numpy()
-    else:
-        dst.copy_(src, non_blocking=True)
+class _BlockCopier:
+    """Writes decoded blocks [L, 2, H, T, D] into per-layer K/V buffers [1, H, capacity, D] at a
+    token offset. On the CPU a plain single-threaded memcpy over numpy byte views made once (a
+    restore is memory-bound, and torch's multi-threaded copy of many mid-sized slices collapses,
+    10-100x, when the cores are shared with other work); devices and dtype changes go through `copy_`."""
+
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.buffers = buffers
+        self.np_views = [tuple(_byte_array(buf[0]) for buf in pair) for pair in buffers] \
+            if all(buf.device.type == "cpu" for pair in buffers for buf in pair) else None
+
+    def __call__(self, block: torch.Tensor, start: int) -> None:
+        end = start + block.shape[3]
+        if self.np_views is not None and block.device.type == "cpu" and block.dtype == self.buffers[0][0].dtype:
+            src = _byte_array(block)
+            for layer_idx, (k_np, v_np) in enumerate(self.np_views):
+                k_np[:, start:end] = src[layer_idx, 0]
+                v_np[:, start:end] = src[layer_idx, 1]
+            return
+        for layer_idx, (k_buf, v_buf) in enumerate(self.buffers):
+            k_buf[0, :, start:end].copy_(block[layer_idx, 0], non_blocking=True)
+            v_buf[0, :, start:end].copy_(block[layer_idx, 1], non_blocking=True)
+
+
+def _byte_array(tensor: torch.Tensor):
+    """A numpy uint8 view of a CPU tensor whose last dim is contiguous (any dtype, bf16 included)."""
+    return tensor.view(torch.uint8).numpy()
 
 
 class TieredLayer(DynamicLayer):
@@ -92,6 +112,14 @@ class TieredLayer(DynamicLayer):
             v_buf[..., :n, :].copy_(self.values)
         self._k_buf, self._v_buf = k_buf, v_buf
         self.keys, self.values = k_buf[..., :n, :], v_buf[..., :n, :]
+
+    def reset(self) -> None:
+        """Empty, keeping the buffers (already paged in: the next request's restore writes warm memory)."""
+        if self._owns_views():
+            self.set_length(0)
+        else:
+            super().reset()
+        self._staged = None
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The preallocated K and V buffers [B, H, capacity, D] (after `reserve`)."""
@@ -188,6 +216,13 @@ class TieredCache(Cache):
         kwargs.setdefault("dtype", loaded.model.dtype)
         return cls(loaded.model.config, manager, model_fingerprint=loaded.fingerprint, **kwargs)
 
+    def reset(self) -> None:
+        """Ready for the next request, keeping every layer's buffers (transformers' `StaticCache.reset`
+        idiom): a serving loop reuses one cache instead of paging in fresh memory per request."""
+        super().reset()
+        self.prefix = PrefixStats()
+        self._num_stored_blocks = 0
+
     # -- the Cache hot path -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if self._prefetch_stream is not None and not self.quantized:
@@ -249,47 +284,61 @@ class TieredCache(Cache):
         if self.manager is None or usable_blocks == 0:
             return 0
         keys = block_keys(self.space, token_ids[:usable_blocks * block_tokens])
-        prefix = self.manager.read(self.manager.match(keys), lease=True)  # DRAM: views of its slots
-        try:
-            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
-            if not blocks:
-                return 0
-            self._fill(blocks, len(token_ids) + reserve_tokens)  # the one copy, into the layer buffers
-        finally:
-            prefix.release()
-        num_cached = len(blocks) * block_tokens
-        for tier in prefix.tiers:
+        match = self.manager.match(keys)
+        if not len(match):
+            return 0
+        capacity = len(token_ids) + reserve_tokens
+        tiers = self._fill_quantized(match) if self.quantized else self._fill(match, capacity)
+        if not tiers:
+            return 0
+        num_cached = len(tiers) * block_tokens
+        for tier in tiers:
             self.prefix.hit_tokens_by_tier[tier] = self.prefix.hit_tokens_by_tier.get(tier, 0) + block_tokens
         self.prefix.cached_tokens = num_cached
-        self._num_stored_blocks = len(blocks)
+        self._num_stored_blocks = len(tiers)
         return num_cached
 
-    def _fill(self, blocks: list[torch.Tensor], capacity_tokens: int) -> None:
-        """Write decoded blocks ([L, 2, H, T, D] each) straight into the layers' buffers: one copy
-        per block and layer, no concatenation; the budget decides where each layer lives."""
+    def _fill(self, match, capacity_tokens: int) -> list[str]:
+        """Stream the matched blocks ([L, 2, H, T, D] each) straight into the layers' buffers: each
+        block is verified just before it is copied (so the copy reads it from cache), one copy per
+        block and layer, no concatenation; the budget decides where each layer lives. Returns the
+        tier each restored block came from (fewer than matched: the prefix ended at a bad block)."""
         device = self._compute_device()
-        num_tokens = sum(block.shape[3] for block in blocks)
-        _, _, h, _, d = blocks[0].shape
-        if self.quantized:  # the layers quantize whole groups as they take them; the rest stays exact
-            for layer_idx, layer in enumerate(self.layers):
-                kv = [block[layer_idx].to(device=device, dtype=self.layout_dtype) for block in blocks]
-                layer.extend(torch.cat([b[0] for b in kv], dim=1)[None], torch.cat([b[1] for b in kv], dim=1)[None])
-            return
+        h, d = self.layout.num_kv_heads, self.layout.head_dim
+        num_matched = len(match) * self.layout.block_tokens
         for layer_idx, layer in enumerate(self.layers):
-            like = torch.empty((1, h, num_tokens, d), dtype=self.layout_dtype, device="meta")
+            like = torch.empty((1, h, num_matched, d), dtype=self.layout_dtype, device="meta")
             self._apply_budget(layer_idx, like)
             if not layer.is_initialized:
                 empty = torch.empty((1, h, 0, d), dtype=self.layout_dtype, device=device)
                 layer.lazy_initialization(empty, empty)
             layer.reserve(like, capacity_tokens)
-            k_buf, v_buf = layer.buffers()
-            start = 0
+        copy = _BlockCopier([layer.buffers() for layer in self.layers])
+        tiers: list[str] = []
+        start = 0
+        with closing(self.manager.stream(match)) as blocks:  # DRAM: views of its slots, leased while copied
             for block in blocks:
-                end = start + block.shape[3]
-                _copy(k_buf[0, :, start:end], block[layer_idx, 0])
-                _copy(v_buf[0, :, start:end], block[layer_idx, 1])
-                start = end
-            layer.set_length(num_tokens)
+                kv = self.codec.decode_verified(block.header, block.payload)
+                copy(kv, start)
+                start += kv.shape[3]
+                tiers.append(block.tier)
+        for layer in self.layers:
+            layer.set_length(start)
+        return tiers
+
+    def _fill_quantized(self, match) -> list[str]:
+        """Quantized resident layers quantize whole groups as they take them (the rest stays exact):
+        each layer takes the whole prefix at once."""
+        prefix = self.manager.read(match, lease=True)
+        try:
+            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
+            device = self._compute_device()
+            for layer_idx, layer in enumerate(self.layers if blocks else []):
+                kv = [block[layer_idx].to(device=device, dtype=self.layout_dtype) for block in blocks]
+                layer.extend(torch.cat([b[0] for b in kv], dim=1)[None], torch.cat([b[1] for b in kv], dim=1)[None])
+        finally:
+            prefix.release()
+        return prefix.tiers
 
     @property
     def layout_dtype(self) -> torch.dtype:

@@ -166,11 +166,12 @@ def test_a_failed_copy_of_a_tier_load_is_recomputed_not_served(tiny_model, tiny_
         assert first.generate([tiny_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
         first.flush_to_tiers()
         engine = make_engine(tiny_model, manager=manager)  # a fresh device: the prefix comes from DRAM
-        engine.arena.write_block = lambda block_id, block: (_ for _ in ()).throw(RuntimeError("copy failed"))
+        assert engine.transfer.write_block == engine.arena.write_block  # the worker writes the device blocks
+        engine.transfer.write_block = lambda block_id, block: (_ for _ in ()).throw(RuntimeError("copy failed"))
         got = run(engine, {"loaded": (tiny_prompts[2], SamplingParams(max_tokens=NEW))})
         assert got == {"loaded": (refs[2], "length", None)}
         assert engine.stats().prefix_hit_tokens_by_tier == {}  # nothing counted as loaded
-        del engine.arena.write_block
+        engine.transfer.write_block = engine.arena.write_block
         assert run(engine, {"again": (tiny_prompts[2], SamplingParams(max_tokens=NEW))}) == {
             "again": (refs[2], "length", None)}
         assert engine.stats().prefix_hit_tokens_by_tier == {"device": 32}  # the recomputed blocks serve

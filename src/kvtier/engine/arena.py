@@ -94,6 +94,9 @@ class RawArena:
 
     codec = "raw"
     reserved_bytes = 0
+    # write_block touches only the block's own slots: the transfer worker may write a loading
+    # sequence's blocks while a forward reads others
+    block_writes_off_thread = True
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
         self.layout, self.num_blocks, self.device = layout, num_blocks, device
@@ -101,6 +104,9 @@ class RawArena:
         shape = (layout.num_layers, num_blocks, layout.num_kv_heads, layout.block_tokens, layout.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
+        if self.k_cache.device.type == "cpu":  # byte views for write_block's memcpy
+            self._k_bytes = self.k_cache.view(torch.uint8).numpy()
+            self._v_bytes = self.v_cache.view(torch.uint8).numpy()
 
     @property
     def block_bytes(self) -> int:
@@ -153,6 +159,13 @@ class RawArena:
         return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
 
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        if self.device.type == kv.device.type == "cpu" and kv.dtype == self.dtype and kv.is_contiguous():
+            # a plain single-threaded memcpy: the transfer worker calls this beside a forward that
+            # uses every core through torch's own threads
+            src = kv.view(torch.uint8).numpy()
+            self._k_bytes[:, block_id] = src[:, 0]
+            self._v_bytes[:, block_id] = src[:, 1]
+            return
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.k_cache[:, block_id] = kv[:, 0]
         self.v_cache[:, block_id] = kv[:, 1]
@@ -213,6 +226,9 @@ class QuantArena:
     and full-precision whole blocks for the tiers. A format says how it writes tokens (`write`), which
     of a sequence's blocks are read dequantized (`_planned`), how queries group (`_groups`), and how a
     whole block is stored (`write_block`) and read back (`_dequantize`)."""
+
+    # write_block also updates the format's step state (KIVI's staging): the step thread writes blocks
+    block_writes_off_thread = False
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device, codec: str,
                  reserved_bytes: int = 0) -> None:

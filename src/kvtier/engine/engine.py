@@ -124,8 +124,9 @@ class LLMEngine:
             preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.arena.block_bytes,
             max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None)
-        self.transfer = (KVTransfer(manager, self.codec, synchronous=config.synchronous_transfers)
-                         if manager is not None else None)
+        write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
+        self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
+                                    synchronous=config.synchronous_transfers) if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.step_tier_io_seconds = 0.0
@@ -245,21 +246,21 @@ class LLMEngine:
             self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
-        """Copy finished tier loads into the arena (on this thread: never during a forward) and let
-        the scheduler run their sequences. A load for a request aborted meanwhile is dropped."""
+        """Let the scheduler run the sequences whose tier loads finished. Blocks the worker returned
+        decoded (arenas that take block writes on this thread only) are copied in first, never during
+        a forward. A load for a request that ended meanwhile only frees its blocks (finish_load)."""
         if self.transfer is None:
             return
         for done in self.transfer.poll(timeout_s):
             try:
-                if done.request_id not in self.scheduler.loading:
-                    continue  # aborted meanwhile: its blocks may be another request's by now
-                num_loaded = 0
-                try:
-                    for block_id, block in zip(done.block_ids, done.blocks):
-                        self.arena.write_block(block_id, block)
-                        num_loaded += 1
-                except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
-                    log.exception("copying a loaded prefix into the device failed")
+                num_loaded = done.num_written
+                if done.request_id in self.scheduler.loading:
+                    try:
+                        for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
+                            self.arena.write_block(block_id, block)
+                            num_loaded += 1
+                    except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
+                        log.exception("copying a loaded prefix into the device failed")
                 # registered only now that their KV is written
                 self.scheduler.finish_load(done.request_id, num_loaded, done.tiers)
             finally:

@@ -75,6 +75,9 @@ class Scheduler:
         self.match_tiers = match_tiers if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV: blocks allocated, a load in flight
+        # blocks of loads whose request ended meanwhile: the transfer worker may still be writing
+        # them, so they go back to the free list only when the load returns (finish_load)
+        self._orphaned_loads: dict[str, list[int]] = {}
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_swapped_blocks = 0
@@ -100,6 +103,9 @@ class Scheduler:
     def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
+            first = len(seq.block_keys)  # the load blocks follow the device-cached ones
+            self._orphaned_loads[request_id] = seq.block_ids[first:first + seq.num_loading_blocks]
+            del seq.block_ids[first:first + seq.num_loading_blocks]
             self._finish(seq, reason)
             return seq
         for queue in (self.waiting, self.running, self.swapped):
@@ -247,6 +253,7 @@ class Scheduler:
         self._count_hits(seq, [DEVICE] * len(device_ids))
         if match is not None:
             out.loads.append(LoadJob(seq.request_id, match, new_ids[:len(match)]))
+            seq.num_loading_blocks = len(match)
             seq.status = SeqStatus.WAITING_FOR_KV
             self.loading[seq.request_id] = seq
         else:
@@ -256,10 +263,14 @@ class Scheduler:
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
         """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
         came back bad or missing: they are computed). Registers them and makes the sequence RUNNING;
-        None if the request was aborted meanwhile (its blocks may belong to another by now)."""
+        None if the request ended meanwhile (then the blocks the load was writing are freed now)."""
+        orphaned = self._orphaned_loads.pop(request_id, None)
+        if orphaned is not None:
+            self.block_manager.release(orphaned)
         seq = self.loading.pop(request_id, None)
         if seq is None:
             return None
+        seq.num_loading_blocks = 0
         keys = block_keys(self._space(seq.namespace), seq.token_ids[:(len(seq.block_keys) + num_loaded) * self.block_tokens])
         for block_id, key in zip(seq.block_ids[len(seq.block_keys):], keys[len(seq.block_keys):]):
             self.block_manager.register(block_id, key)

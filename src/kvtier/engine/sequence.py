@@ -55,6 +55,7 @@ class Sequence:
     num_cached_tokens: int = 0        # prompt tokens found cached at (first) admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_swapped_blocks: int = 0       # blocks of KV held on the host while SWAPPED
+    num_loading_blocks: int = 0       # blocks the transfer worker is filling while WAITING_FOR_KV
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None          # why it failed (finish_reason "error")
     admitted: bool = False

@@ -3,10 +3,15 @@
 The scheduler decides *what* moves (it matches a prompt's blocks in the tiers, allocates device
 blocks for the hits and parks the sequence in WAITING_FOR_KV, as vLLM's scheduler does with a KV
 connector); this worker does the moving:
-- loads: tier -> verify (once, by the manager: the block its key names) -> decode, on the worker;
-  the step thread polls finished loads and copies them into the arena before the next forward, so
-  no arena write ever races a forward, and a block is registered in the device prefix cache only
-  once its KV is really there;
+- loads: tier -> verify (once, by the manager: the block its key names) -> decode -> the device
+  block, on the worker. The manager streams the blocks, each verified just before it is copied, so
+  the copy reads it from cache (about one memcpy per block, not a checksum pass and then a copy);
+  DRAM blocks are read in place (leased slots), the device blocks are the waiting sequence's own
+  (no forward reads them, and the scheduler frees them only once the load has returned), and on
+  CUDA the copies go on a side stream. The step thread only polls finished loads; a block is
+  registered in the device prefix cache once its KV is really there. An arena whose block writes
+  touch state a forward uses (the quantized formats) gets the decoded blocks copied on the step
+  thread instead, before the next forward (`KVTransfer(write_block=None)`);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
   step); the tier check ("does a tier still hold it?"), encode (checksum) and the manager's put
   run on the worker. Loads go before stores: a waiting request never queues behind write-back.
@@ -21,7 +26,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import closing, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,9 +48,10 @@ class LoadJob:
 class LoadDone:
     request_id: str
     block_ids: list[int]
-    blocks: list[torch.Tensor]  # decoded [L, 2, H, T, D]; possibly fewer than block_ids (bad or gone)
-    tiers: list[str]            # the tier each loaded block came from
-    release: Callable[[], None] = lambda: None  # call once the blocks are copied: they may view DRAM slots
+    tiers: list[str]            # the tier each loaded block came from; fewer than block_ids: bad or gone
+    num_written: int = 0        # the first blocks, already in the device blocks (written by the worker)
+    blocks: list[torch.Tensor] = field(default_factory=list)  # the rest, decoded [L, 2, H, T, D], to copy
+    release: Callable[[], None] = lambda: None  # call once `blocks` are copied: they may view DRAM slots
 
 
 @dataclass(slots=True)
@@ -64,12 +71,17 @@ class TransferStats:
 
 
 class KVTransfer:
-    """One worker thread between the engine and the tier manager. `synchronous=True` runs every job
-    at submission (tests, debugging); results are the same, only when they happen differs."""
+    """One worker thread between the engine and the tier manager. `write_block(block_id, kv)` puts a
+    decoded block into its device block (None: loads come back decoded, for the step thread to copy).
+    `synchronous=True` runs every job at submission (tests, debugging); results are the same, only
+    when they happen differs."""
 
-    def __init__(self, manager: TierManager, codec: Codec, *, synchronous: bool = False) -> None:
+    def __init__(self, manager: TierManager, codec: Codec, *,
+                 write_block: Callable[[int, torch.Tensor], None] | None = None, synchronous: bool = False) -> None:
         self.manager = manager
         self.codec = codec
+        self.write_block = write_block
+        self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
         self.stats = TransferStats()
         self._loads: deque[LoadJob] = deque()
         self._stores: deque[StoreJob] = deque()
@@ -146,7 +158,7 @@ class KVTransfer:
             log.exception("kv transfer failed")
             self.stats.errors += 1
             if isinstance(job, LoadJob):
-                done = LoadDone(job.request_id, job.block_ids, [], [])
+                done = LoadDone(job.request_id, job.block_ids, [])
         finally:
             with self._cond:
                 if done is not None:
@@ -156,16 +168,36 @@ class KVTransfer:
 
     def _run_load(self, job: LoadJob) -> LoadDone:
         start = time.perf_counter()
+        done = self._write_load(job) if self.write_block is not None else self._decode_load(job)
+        self.stats.num_loads += 1
+        self.stats.num_blocks_loaded += len(done.tiers)
+        self.stats.load_seconds += time.perf_counter() - start
+        return done
+
+    def _write_load(self, job: LoadJob) -> LoadDone:
+        """Each block verified (by the stream), decoded and written into its device block in turn."""
+        tiers: list[str] = []
+        on_side_stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        try:
+            with closing(self.manager.stream(job.match)) as blocks, on_side_stream:
+                for block_id, block in zip(job.block_ids, blocks):
+                    self.write_block(block_id, self.codec.decode_verified(block.header, block.payload))
+                    tiers.append(block.tier)
+        except Exception:  # noqa: BLE001 - the blocks written so far stand; the rest is computed
+            log.exception("loading a prefix into the device failed after %d blocks", len(tiers))
+            self.stats.errors += 1
+        if self._stream is not None:
+            self._stream.synchronize()  # the KV is on the device before the sequence may run
+        return LoadDone(job.request_id, job.block_ids, tiers, num_written=len(tiers))
+
+    def _decode_load(self, job: LoadJob) -> LoadDone:
         prefix = self.manager.read(job.match, lease=True)  # DRAM blocks stay in place until copied
         try:
             blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
         except Exception:
             prefix.release()
             raise
-        self.stats.num_loads += 1
-        self.stats.num_blocks_loaded += len(blocks)
-        self.stats.load_seconds += time.perf_counter() - start
-        return LoadDone(job.request_id, job.block_ids, blocks, prefix.tiers, prefix.release)
+        return LoadDone(job.request_id, job.block_ids, prefix.tiers, blocks=blocks, release=prefix.release)
 
     def _run_store(self, job: StoreJob) -> None:
         start = time.perf_counter()

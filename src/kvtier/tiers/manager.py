@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -62,6 +63,16 @@ class Prefix:
         leases, self.leases = self.leases, []
         for tier, keys in leases:
             _release(tier, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedBlock:
+    """One block of `TierManager.stream`: proven to be the block `key` names."""
+
+    key: bytes
+    header: Header
+    payload: bytes | memoryview
+    tier: str
 
 
 def _release(tier: Tier, keys: list[bytes]) -> None:
@@ -197,6 +208,33 @@ class TierManager:
         a hit. Verified lower-tier blocks of the prefix are promoted to the top tier. `lease=True`:
         a tier that can (DRAM) hands out views of its memory instead of copies, pinned until
         `Prefix.release()` — one copy fewer on the restore path."""
+        fetched, leased = self._fetch(match, lease)
+        prefix = Prefix([], [], [])
+        for i, hdr in self._verified_run(match, fetched):
+            prefix.payloads.append(fetched[i])
+            prefix.headers.append(hdr)
+            prefix.tiers.append(match.tiers[i])
+        prefix.leases = self._settle(match, fetched, leased, len(prefix))
+        return prefix
+
+    def stream(self, match: PrefixMatch, *, lease: bool = True) -> Iterator[VerifiedBlock]:
+        """`read`, block by block, for a caller that copies each block somewhere: every block is
+        verified just before it is yielded, so the copy reads it from cache, not memory (the restore
+        then costs about one memcpy, not a checksum pass plus a memcpy). A yielded payload may view a
+        tier's memory and is valid until the next block is pulled; the leases end, the promotions and
+        deletions happen when the iteration ends (or the generator is closed)."""
+        fetched, leased = self._fetch(match, lease)
+        kept = 0
+        try:
+            for i, hdr in self._verified_run(match, fetched):
+                yield VerifiedBlock(match.keys[i], hdr, fetched[i], match.tiers[i])
+                kept += 1
+        finally:
+            for tier, keys in self._settle(match, fetched, leased, kept):
+                _release(tier, keys)
+
+    def _fetch(self, match: PrefixMatch, lease: bool) -> tuple[dict[int, bytes | memoryview | None], dict[int, Tier]]:
+        """One batched get (or lease) per tier: block index -> data (None: gone), and which were leased."""
         fetched: dict[int, bytes | memoryview | None] = {}
         leased: dict[int, Tier] = {}
         for tier_idx in sorted(set(match.tier_indices)):
@@ -208,32 +246,33 @@ class TierManager:
             fetched.update(zip(idxs, datas))
             if get is not tier.get_many:
                 leased.update((i, tier) for i, data in zip(idxs, datas) if data is not None)
-        prefix = Prefix([], [], [])
-        promote: list[tuple[bytes, bytes]] = []
+        return fetched, leased
+
+    def _verified_run(self, match: PrefixMatch, fetched: dict) -> Iterator[tuple[int, Header]]:
+        """(index, header) of each verified block of the prefix, in order; once the prefix has ended
+        (a block gone or bad) the rest are still verified, so every bad block is dropped now."""
         ended = False
         for i, (key, tier_idx) in enumerate(zip(match.keys, match.tier_indices)):
             data = fetched.get(i)
             hdr = self._verified(key, data, self.tiers[tier_idx]) if data is not None else None
             ended = ended or hdr is None
-            if ended:
-                continue  # past the end of the prefix: only verified to drop every bad block now
-            prefix.payloads.append(data)
-            prefix.headers.append(hdr)
-            prefix.tiers.append(match.tiers[i])
-            if tier_idx > 0:
-                promote.append((key, data))
+            if not ended:
+                yield i, hdr
+
+    def _settle(self, match: PrefixMatch, fetched: dict, leased: dict[int, Tier],
+                kept: int) -> list[tuple[Tier, list[bytes]]]:
+        """After a read of `kept` blocks: promote its lower-tier blocks to the top tier, end the leases
+        of the blocks past the prefix, and return the prefix's own leases (per tier)."""
+        promote = [(match.keys[i], fetched[i]) for i in range(kept) if match.tier_indices[i] > 0]
         if promote:
             self._put_top(promote)
-        kept = len(prefix)  # the prefix holds the leases of its own blocks; the others end now
-        by_tier: dict[int, tuple[Tier, list[bytes], list[bytes]]] = {}
+        ours_by_tier: dict[int, tuple[Tier, list[bytes]]] = {}
         for i, tier in leased.items():
-            by_tier.setdefault(id(tier), (tier, [], []))[1 if i < kept else 2].append(match.keys[i])
-        for tier, ours, rest in by_tier.values():
-            if ours:
-                prefix.leases.append((tier, ours))
-            if rest:
-                _release(tier, rest)
-        return prefix
+            if i < kept:
+                ours_by_tier.setdefault(id(tier), (tier, []))[1].append(match.keys[i])
+            else:
+                _release(tier, [match.keys[i]])
+        return list(ours_by_tier.values())
 
     def get_prefix(self, keys: list[bytes]) -> list[bytes]:
         """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""
