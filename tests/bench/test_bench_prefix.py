@@ -30,5 +30,8 @@ def test_bench_prefix_json(capsys, tmp_path):
         assert row["restore_gbps"] > 0 and row["raw_gbps"] > 0
         assert row["restore_fraction"] == pytest.approx(row["restore_gbps"] / row["raw_gbps"])
         assert row["bandwidth_target_met"] == (row["restore_fraction"] >= row["target_fraction"])
+        # the engine's restore of the same blocks (checked block-exact by the run itself)
+        assert row["arena_restore_gbps"] > 0
+        assert row["arena_bandwidth_target_met"] == (row["arena_restore_fraction"] >= row["target_fraction"])
     assert dram["target_fraction"] == 0.8 and ssd["target_fraction"] == 0.7
     assert dram["ttft_target_met"] == (dram["speedup"] >= 100)
