@@ -328,3 +328,24 @@ def test_reads_do_not_wait_behind_a_slow_write():
     m.flush()
     assert backend.exists([KEY_PREFIX + K[1].hex()]) == [True]
     m.close()
+
+
+def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(caplog):
+    """A pool tier has no leases: a leased read or stream gets its bytes and never asks it to
+    release anything (no error logged), while the DRAM blocks beside it are leased and released."""
+    backend = _SlowBackend()
+    backend.release.set()
+    backend.name_to_data[KEY_PREFIX + K[1].hex()] = _block(1)
+    m = TierManager([HostTier(4 * SIZE, SIZE), PoolTier("pool", backend)], backoff=FAST)
+    dram, pool = m.tiers
+    dram.put_many([(K[0], _block(0))])
+    with caplog.at_level("ERROR"):
+        prefix = m.read(m.match(K[:2]), lease=True)
+        assert [bytes(p) for p in prefix.payloads] == [_block(0), _block(1)] and prefix.tiers == ["dram", "pool"]
+        assert dram.num_leased() == 1
+        prefix.release()
+        assert dram.delete(K[1])  # it was promoted: from the pool again
+        assert [(b.tier, bytes(b.payload)) for b in m.stream(m.match(K[:2]))] == [("dram", _block(0)), ("pool", _block(1))]
+    assert dram.num_leased() == 0 and pool.health.healthy
+    assert not [r for r in caplog.records if "release" in r.getMessage()]
+    m.close()

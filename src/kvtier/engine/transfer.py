@@ -180,7 +180,7 @@ class KVTransfer:
         on_side_stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         try:
             with closing(self.manager.stream(job.match)) as blocks, on_side_stream:
-                for block_id, block in zip(job.block_ids, blocks):
+                for block, block_id in zip(blocks, job.block_ids):
                     self.write_block(block_id, self.codec.decode_verified(block.header, block.payload))
                     tiers.append(block.tier)
         except Exception:  # noqa: BLE001 - the blocks written so far stand; the rest is computed

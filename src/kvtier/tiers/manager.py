@@ -227,8 +227,8 @@ class TierManager:
         kept = 0
         try:
             for i, hdr in self._verified_run(match, fetched):
+                kept += 1  # handed out: promoted at the end even if the caller stops pulling here
                 yield VerifiedBlock(match.keys[i], hdr, fetched[i], match.tiers[i])
-                kept += 1
         finally:
             for tier, keys in self._settle(match, fetched, leased, kept):
                 _release(tier, keys)
@@ -241,10 +241,11 @@ class TierManager:
             tier = self.tiers[tier_idx]
             idxs = [i for i, t in enumerate(match.tier_indices) if t == tier_idx]
             keys = [match.keys[i] for i in idxs]
-            get = tier.lease_many if lease and hasattr(tier, "lease_many") else tier.get_many
+            leasing = lease and hasattr(tier, "lease_many")
+            get = tier.lease_many if leasing else tier.get_many
             datas = self._guarded(tier, "get", lambda g=get, ks=keys: g(ks), [None] * len(idxs))
             fetched.update(zip(idxs, datas))
-            if get is not tier.get_many:
+            if leasing:
                 leased.update((i, tier) for i, data in zip(idxs, datas) if data is not None)
         return fetched, leased
 
