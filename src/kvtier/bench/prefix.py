@@ -11,9 +11,11 @@ Protocol (one process, one run, the same model and prompt):
    TTFT is wall time from `load_prefix` to the first token's logits; medians are reported. SSD reads are cold: the block files
    are dropped from the page cache (posix_fadvise DONTNEED) before each request.
 3. restore bandwidth = restored KV bytes / `load_prefix` time (match + the stream of blocks, each
-   verified just before its copy into the layer buffers), against the raw medium moving the same bytes in the same run: a warm
-   numpy memcpy between pre-touched buffers, best of several (DRAM), a cold sequential read of one
-   file (SSD), the backend's own batched get of the same keys (Mooncake `get_batch`, Redis `MGET`).
+   verified just before its copy into the layer buffers), against the raw medium moving the same
+   bytes in the same run: a warm numpy memcpy between pre-touched buffers (DRAM), a cold sequential
+   read of one file (SSD), the backend's own batched get of the same keys (Mooncake `get_batch`,
+   Redis `MGET`). Both sides are the best of their repeats (on a shared machine the least disturbed
+   run of each; medians would compare a disturbed restore with an undisturbed reference).
 Targets (issue 13): DRAM restore >= 80% of memcpy, SSD >= 70% of the cold read, pools >= 80% of
 their raw get; a DRAM hit's TTFT >= 100x recompute's. `--json` prints one object per source.
 Pool tiers use the given URLs, or local services on 127.0.0.1 started (and stopped) by the run.
@@ -123,7 +125,7 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
         loads.append(load_s)
     ttft = statistics.median(times)
     restore_bytes = cached * loaded.kv_layout(block_tokens).bytes_per_token
-    return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / statistics.median(loads) / 1e9)
+    return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / min(loads) / 1e9)
 
 
 def measure_arena_restore(loaded, manager, ids: torch.Tensor, repeats: int, block_tokens: int,
@@ -156,7 +158,7 @@ def measure_arena_restore(loaded, manager, ids: torch.Tensor, repeats: int, bloc
     stored = codec.decode(manager.get_prefix(keys[:1])[0], keys[0])
     if not torch.equal(arena.block_tensor(0), stored):
         raise AssertionError("the engine's restored block differs from the stored one")
-    return num_blocks * layout.block_bytes / statistics.median(times) / 1e9
+    return num_blocks * layout.block_bytes / min(times) / 1e9
 
 
 # -- the raw media, moving the same bytes ---------------------------------------------------------
@@ -185,7 +187,7 @@ def raw_file_read_gb_s(directory: Path, num_bytes: int, repeats: int) -> float:
         path.read_bytes()
         times.append(time.perf_counter() - start)
     path.unlink()
-    return num_bytes / statistics.median(times) / 1e9
+    return num_bytes / min(times) / 1e9
 
 
 def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, repeats: int) -> float:
@@ -202,7 +204,7 @@ def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, rep
         datas = tier.backend.get(names)
         times.append(time.perf_counter() - start)
         num_bytes = sum(len(d) for d in datas if d)
-    return num_bytes / statistics.median(times) / 1e9
+    return num_bytes / min(times) / 1e9
 
 
 def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POOL_TIERS), repeats: int = 3,
