@@ -330,6 +330,37 @@ def test_reads_do_not_wait_behind_a_slow_write():
     m.close()
 
 
+def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path):
+    """Blocks come STREAM_CHUNK_BLOCKS per batched get; the next chunk is read on the prefetch thread
+    while the caller still holds a block of this one (an SSD read overlaps the copies)."""
+    from kvtier.tiers.manager import STREAM_CHUNK_BLOCKS
+
+    m = _stack(tmp_path, dram_blocks=8)
+    ssd = m.tiers[1]
+    keys = [bytes([0x40 + i]) * 16 for i in range(STREAM_CHUNK_BLOCKS + 2)]
+    blocks = [get_codec("raw").encode(torch.full((1, 2, 1, 4, 4), float(i)), key) for i, key in enumerate(keys)]
+    ssd.put_many(list(zip(keys, blocks)))
+    reads: list[tuple[list[bytes], str]] = []
+    second_read = threading.Event()
+    lease = ssd.lease_many
+
+    def recorded(ks):
+        reads.append((list(ks), threading.current_thread().name))
+        if len(reads) == 2:
+            second_read.set()
+        return lease(ks)
+
+    ssd.lease_many = recorded
+    stream = m.stream(m.match(keys))
+    assert bytes(next(stream).payload) == blocks[0]
+    assert second_read.wait(10)  # the caller has not pulled block 1 yet
+    assert reads[0] == (keys[:STREAM_CHUNK_BLOCKS], "MainThread")
+    assert reads[1][0] == keys[STREAM_CHUNK_BLOCKS:] and reads[1][1].startswith("kvtier-prefetch")
+    assert [bytes(b.payload) for b in stream] == blocks[1:]
+    assert len(reads) == 2 and m.tiers[0].contains_many(keys) == [True] * len(keys)  # all promoted
+    m.close()
+
+
 def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(caplog):
     """A pool tier has no leases: a leased read or stream gets its bytes and never asks it to
     release anything (no error logged), while the DRAM blocks beside it are leased and released."""

@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 
 log = logging.getLogger(__name__)
+
+STREAM_CHUNK_BLOCKS = 4  # stream() fetches this many blocks per batched get, one chunk ahead
 
 
 @dataclass(slots=True)
@@ -101,6 +104,8 @@ class TierManager:
             self._queue = queue.Queue(max_pending_writes)
             self._worker = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
             self._worker.start()
+        self._prefetcher: ThreadPoolExecutor | None = None  # stream()'s read-ahead, started on first use
+        self._prefetch_lock = threading.Lock()
         self._closed = False
         self._wake = threading.Event()  # set by an outage (TierHealth.watch) and by close()
         for tier in tiers:
@@ -220,26 +225,62 @@ class TierManager:
     def stream(self, match: PrefixMatch, *, lease: bool = True) -> Iterator[VerifiedBlock]:
         """`read`, block by block, for a caller that copies each block somewhere: every block is
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
-        then costs about one memcpy, not a checksum pass plus a memcpy). A yielded payload may view a
-        tier's memory and is valid until the next block is pulled; the leases end, the promotions and
-        deletions happen when the iteration ends (or the generator is closed)."""
-        fetched, leased = self._fetch(match, lease)
-        kept = 0
+        then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
+        `STREAM_CHUNK_BLOCKS` at a time, the next chunk on the prefetch thread while the caller copies
+        this one, so an SSD or pool read overlaps the copies. A yielded payload may view a tier's
+        memory and is valid until the next block is pulled; the leases end, the promotions and the
+        deletion of bad blocks (among those fetched) happen when the iteration ends or the generator is
+        closed. Past the end of the prefix nothing more is fetched."""
+        chunks = [list(range(start, min(start + STREAM_CHUNK_BLOCKS, len(match))))
+                  for start in range(0, len(match), STREAM_CHUNK_BLOCKS)]
+        fetched: dict[int, bytes | memoryview | None] = {}
+        leased: dict[int, Tier] = {}
+        kept, ended, ahead = 0, False, None
         try:
-            for i, hdr in self._verified_run(match, fetched):
-                kept += 1  # handed out: promoted at the end even if the caller stops pulling here
-                yield VerifiedBlock(match.keys[i], hdr, fetched[i], match.tiers[i])
+            for n, chunk in enumerate(chunks):
+                part = ahead.result() if ahead is not None else self._fetch(match, lease, chunk)
+                fetched.update(part[0])
+                leased.update(part[1])
+                ahead = None
+                if n + 1 < len(chunks):
+                    ahead = self._prefetch().submit(self._fetch, match, lease, chunks[n + 1])
+                for i in chunk:
+                    data = fetched.get(i)
+                    hdr = self._verified(match.keys[i], data, self.tiers[match.tier_indices[i]]) \
+                        if data is not None else None
+                    ended = ended or hdr is None
+                    if not ended:
+                        kept += 1  # handed out: promoted at the end even if the caller stops pulling here
+                        yield VerifiedBlock(match.keys[i], hdr, data, match.tiers[i])
+                if ended:
+                    break
         finally:
+            if ahead is not None:  # fetched already: verified too (every bad block goes now), then let go
+                part = ahead.result()
+                fetched.update(part[0])
+                leased.update(part[1])
+                for i, data in part[0].items():
+                    if data is not None:
+                        self._verified(match.keys[i], data, self.tiers[match.tier_indices[i]])
             for tier, keys in self._settle(match, fetched, leased, kept):
                 _release(tier, keys)
 
-    def _fetch(self, match: PrefixMatch, lease: bool) -> tuple[dict[int, bytes | memoryview | None], dict[int, Tier]]:
-        """One batched get (or lease) per tier: block index -> data (None: gone), and which were leased."""
+    def _prefetch(self) -> ThreadPoolExecutor:
+        with self._prefetch_lock:
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+            return self._prefetcher
+
+    def _fetch(self, match: PrefixMatch, lease: bool,
+               only: list[int] | None = None) -> tuple[dict[int, bytes | memoryview | None], dict[int, Tier]]:
+        """One batched get (or lease) per tier of the blocks `only` (default: all): block index ->
+        data (None: gone), and which were leased."""
+        wanted = range(len(match)) if only is None else only
         fetched: dict[int, bytes | memoryview | None] = {}
         leased: dict[int, Tier] = {}
-        for tier_idx in sorted(set(match.tier_indices)):
+        for tier_idx in sorted({match.tier_indices[i] for i in wanted}):
             tier = self.tiers[tier_idx]
-            idxs = [i for i, t in enumerate(match.tier_indices) if t == tier_idx]
+            idxs = [i for i in wanted if match.tier_indices[i] == tier_idx]
             keys = [match.keys[i] for i in idxs]
             leasing = lease and hasattr(tier, "lease_many")
             get = tier.lease_many if leasing else tier.get_many
@@ -357,6 +398,8 @@ class TierManager:
             self._queue.put(None)
             self._worker.join(timeout=10)
             self._queue = None
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
 
