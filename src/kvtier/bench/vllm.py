@@ -5,6 +5,8 @@ vLLM's OpenAI API, on one device KV budget that cannot hold all conversations, s
 - `vllm-kvtier-ssd`: vLLM + kvtier's connector on DRAM + SSD (a temporary directory);
 - `vllm-kvtier-pool`: vLLM + kvtier on DRAM + a local Mooncake pool (started here);
 - `vllm-example`: vLLM + its ExampleConnector (safetensors files per prompt);
+- `vllm-lmcache`: vLLM + LMCache's multi-process connector and cache server on DRAM (its own
+  environment, `make lmcache`; skipped with a message when that is missing);
 - `kvtier-serve`: kvtier's own engine with a DRAM tier, in this process, on the same budget.
 
 Each system replays the same requests (greedy, EOS ignored). Reported: TTFT p50/p99, ITL, tokens/s,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from kvtier.bench.serve import SystemResult, TurnClock, Workload, _prompt, conversations, trace_requests
 
-SYSTEMS = ("vllm", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "kvtier-serve")
+SYSTEMS = ("vllm", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "vllm-lmcache", "kvtier-serve")
 
 
 async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens: int) -> str | None:
@@ -115,9 +118,11 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int):
-    from kvtier.integrations.vllm.launch import VllmServer, kvtier_transfer_config
+    from kvtier.integrations.vllm.launch import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
+                                                 kvtier_transfer_config)
     from kvtier.services import MooncakePool
 
+    python = VLLM_PYTHON
     if name == "vllm":
         transfer = None
     elif name == "vllm-kvtier-ssd":
@@ -131,12 +136,15 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
         (tmp / "example").mkdir(exist_ok=True)
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
+    elif name == "vllm-lmcache":
+        transfer = stack.enter_context(LmcacheServer(tmp / "lmcache-server.log")).transfer_config()
+        python = LMCACHE_PYTHON
     else:
         raise ValueError(f"unknown system {name!r}: use {', '.join(SYSTEMS)}")
     # vLLM refuses a context longer than its KV budget: the budget caps the model length too
     return stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
                                           extra_args=("--num-gpu-blocks-override", str(num_blocks)),
-                                          max_model_len=(num_blocks - 1) * 32))
+                                          max_model_len=(num_blocks - 1) * 32, python=python))
 
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
@@ -145,8 +153,14 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
-    from kvtier.integrations.vllm.launch import BLOCK_TOKENS
+    from kvtier.integrations.vllm.launch import BLOCK_TOKENS, LMCACHE_PYTHON
 
+    if "vllm-lmcache" in systems and not LMCACHE_PYTHON.exists():
+        print(f"vllm-lmcache skipped: {LMCACHE_PYTHON} not found (`make lmcache` creates it, "
+              "or set KVTIER_LMCACHE_PYTHON)", file=sys.stderr)
+        systems = tuple(n for n in systems if n != "vllm-lmcache")
+        if not systems:
+            return []
     w = workload or Workload(num_users=8, num_turns=4, max_tokens=24)
     loaded = models.load("smollm2", device="cpu")
     model_dir = models.cache_dir() / "smollm2-135m-instruct"
@@ -211,7 +225,7 @@ def add_command(bench) -> None:
              json_out: bool = typer.Option(False, "--json"),
              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
              log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)")) -> None:
-        """vLLM alone vs vLLM + kvtier (SSD, pool) vs vLLM + ExampleConnector vs kvtier serve, one budget."""
+        """vLLM alone vs vLLM + kvtier (SSD, pool) vs vLLM + ExampleConnector or LMCache vs kvtier serve."""
         from kvtier.bench.serve import plot, print_rows
         from kvtier.errors import UserError
 

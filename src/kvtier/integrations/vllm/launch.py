@@ -1,5 +1,6 @@
 """Start a real vLLM OpenAI server (the CPU build in `.venv-vllm`, `make vllm`) in a subprocess, with
-or without kvtier's connector; used by `kvtier bench vllm` and the tests. No vLLM import here."""
+or without kvtier's connector, and LMCache's multi-process cache server for the LMCache comparison
+(`.venv-lmcache`, `make lmcache`); used by `kvtier bench vllm` and the tests. No vLLM import here."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.services import free_port
+from kvtier.services import free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[4]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 START_TIMEOUT_S = 420
+# vLLM + LMCache in an environment of their own: LMCache pins numpy, protobuf, grpcio and
+# OpenTelemetry below what `.venv-vllm` has.
+LMCACHE_PYTHON = Path(os.environ.get("KVTIER_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python"))
 
 
 def kvtier_transfer_config(tiers: list[str], codec: str = "raw") -> dict:
@@ -28,15 +32,61 @@ def kvtier_transfer_config(tiers: list[str], codec: str = "raw") -> dict:
             "kv_connector_extra_config": {"tiers": tiers, "codec": codec}}
 
 
+class LmcacheServer:
+    """LMCache's multi-process cache server on CPU: a DRAM store (its L1, a shared-memory pool) that
+    vLLM's `LMCacheMPConnector` reaches over ZMQ. A CPU worker can only use the engine-driven transfer
+    (the worker copies KV into the pool; the server's default, LMCache-driven, reads device memory
+    through CUDA IPC), so the server offers that mode."""
+
+    def __init__(self, log_path: Path, *, l1_gib: int = 2, chunk_tokens: int = 64) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.log_path = log_path
+        self.shm_name = f"lmcache_l1_pool_kvtier_{self.port}"
+        self.argv = [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1",
+                     "--port", str(self.port), "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+                     "--chunk-size", str(chunk_tokens), "--l1-size-gb", str(l1_gib), "--no-l1-use-lazy",
+                     "--shm-name", self.shm_name, "--supported-transfer-mode", "engine_driven",
+                     "--eviction-policy", "LRU"]
+        self.proc: subprocess.Popen | None = None
+
+    def transfer_config(self) -> dict:
+        """The `--kv-transfer-config` that connects vLLM to this server."""
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": self.port}}
+
+    def __enter__(self) -> LmcacheServer:
+        if not LMCACHE_PYTHON.exists():
+            raise FileNotFoundError(f"{LMCACHE_PYTHON} not found: `make lmcache` creates it")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"}, start_new_session=True)
+        # the HTTP port opens last, after the ZMQ server and the L1 pool are up
+        wait_port(self.http_port, self.proc, timeout_s=START_TIMEOUT_S)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        Path("/dev/shm", self.shm_name).unlink(missing_ok=True)  # the pool outlives a killed server
+
+
 class VllmServer:
-    """`python -m vllm.entrypoints.openai.api_server` on a local model directory (fp32, eager)."""
+    """`python -m vllm.entrypoints.openai.api_server` on a local model directory (fp32, eager);
+    `python` is the environment's interpreter (`.venv-vllm`, or `.venv-lmcache` for LMCache)."""
 
     def __init__(self, model_dir: Path, log_path: Path, *, kv_transfer: dict | None = None,
-                 extra_args: tuple[str, ...] = (), kv_space_gib: int = 1, max_model_len: int = 2048) -> None:
+                 extra_args: tuple[str, ...] = (), kv_space_gib: int = 1, max_model_len: int = 2048,
+                 python: Path = VLLM_PYTHON) -> None:
         self.port = free_port()
         self.log_path = log_path
         self.kv_space_gib = kv_space_gib
-        self.argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        self.python = python
+        self.argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                      "--served-model-name", "smollm2", "--dtype", "float32", "--block-size", str(BLOCK_TOKENS),
                      "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
                      *extra_args]
@@ -47,8 +97,8 @@ class VllmServer:
         self.client = httpx.Client(base_url=self.url, timeout=600)
 
     def __enter__(self) -> VllmServer:
-        if not VLLM_PYTHON.exists():
-            raise FileNotFoundError(f"{VLLM_PYTHON} not found: `make vllm` creates it")
+        if not self.python.exists():
+            raise FileNotFoundError(f"{self.python} not found: `make vllm` (or `make lmcache`) creates it")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib), "PYTHONPATH": str(ROOT / "src")}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
