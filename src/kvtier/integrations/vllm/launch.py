@@ -65,13 +65,8 @@ class LmcacheServer:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        if self.proc is not None:
+            _stop_group(self.proc, timeout_s=30)
         Path("/dev/shm", self.shm_name).unlink(missing_ok=True)  # the pool outlives a killed server
 
 
@@ -121,14 +116,8 @@ class VllmServer:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        if self.proc is not None:
+            _stop_group(self.proc, timeout_s=60)
 
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -163,3 +152,15 @@ class VllmServer:
         """Sum of a sample over the series whose labels include `labels`."""
         return sum(value for (found, found_labels), value in self.metrics().items()
                    if found == name and all((k, v) in found_labels for k, v in labels.items()))
+
+
+def _stop_group(proc: subprocess.Popen, *, timeout_s: float) -> None:
+    """SIGTERM a server's process group (it forks workers), SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
