@@ -3,9 +3,9 @@
 1. vLLM alone: the reference replies (and the converted checkpoint against transformers).
 2. vLLM + kvtier on DRAM, an SSD directory, a Mooncake pool and Redis: stores the prompts' blocks
    (copied out layer by layer, as every kvtier process here).
-3. A second vLLM process on the same SSD directory, loading layer by layer (`"load": "layerwise"`):
-   loads them (ssd hits), recomputes a corrupted or replaced block file, keeps two salts apart.
-4. A third on shared memory + the pools, loading asynchronously, on a device budget too small to keep
+3. A second vLLM process on the same SSD directory, loading layer by layer (`"load": "layerwise"`, the
+   default): loads them (ssd hits), recomputes a corrupted or replaced block file, keeps two salts apart.
+4. A third on shared memory + the pools, loading asynchronously (`"load": "async"`), on a device budget too small to keep
    its prompts: the prefix comes through Mooncake; with Mooncake killed, through Redis; a prompt the
    device evicted comes back from the shared-memory tier (written by the worker, found by the scheduler).
 Every reply must equal vLLM alone's.
@@ -177,7 +177,8 @@ def shm_dir():
 def test_prefix_shared_through_the_pool_and_a_dead_pool_fails_no_request(stored, pools, shm_dir, reference, prompts,
                                                                            tmp_path_factory):
     tiers = [f"shm:{shm_dir}:64MiB", pools["mooncake"].spec, pools["redis"].spec]
-    with start_vllm(tmp_path_factory.mktemp("vllm") / "pool.log", tiers, num_device_blocks=32) as server:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "pool.log", tiers, load="async",
+                    num_device_blocks=32) as server:
         reply = server.complete(prompts["pool_a"])
         assert reply["kvtier_hit_tokens"] == {"mooncake": loadable_tokens(stored["pool_a"])}
         assert reply["text"] == reference["pool_a"]["text"]

@@ -49,8 +49,8 @@ def test_a_dram_tier_alone_is_refused_shared_memory_is_not():
 
 
 def test_load_modes():
-    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"]}).load == "async"
-    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"], "load": "layerwise"}).load == "layerwise"
+    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"]}).load == "layerwise"
+    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"], "load": "async"}).load == "async"
     with pytest.raises(ValueError, match="load"):
         ConnectorConfig(tiers=("ssd:/x:1GiB",), load="sync")
 

@@ -11,7 +11,7 @@ from kvtier.integrations.vllm.launch import BLOCK_TOKENS, VLLM_PYTHON, VllmServe
 __all__ = ["BLOCK_TOKENS", "VLLM_PYTHON", "start_vllm", "wait_stable_count"]
 
 
-def start_vllm(log_path: Path, tiers: list[str] | None = None, *, load: str = "async",
+def start_vllm(log_path: Path, tiers: list[str] | None = None, *, load: str = "layerwise",
                num_device_blocks: int | None = None) -> VllmServer:
     """vLLM on the converted SmolLM2 (fp32, 1 GiB of KV, or `num_device_blocks` blocks), with kvtier's
     connector on `tiers` if given, loading in mode `load`."""

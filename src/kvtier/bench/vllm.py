@@ -172,7 +172,7 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
         trace: bool = False, trace_requests_: int = 32, trace_start: int = 0, time_scale: float = 1.0,
-        log_dir: str | None = None, load: str = "async") -> list[dict]:
+        log_dir: str | None = None, load: str = "layerwise") -> list[dict]:
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
@@ -262,8 +262,8 @@ def add_command(bench) -> None:
              json_out: bool = typer.Option(False, "--json"),
              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
              log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)"),
-             load: str = typer.Option("async", help="kvtier's load mode: async (before the request runs) or "
-                                                    "layerwise (in the forward, layer by layer)")) -> None:
+             load: str = typer.Option("layerwise", help="kvtier's load mode: layerwise (in the request's first "
+                                                        "forward, layer by layer) or async (before it runs)")) -> None:
         """vLLM alone vs vLLM + kvtier (DRAM, SSD, pool) vs vLLM + ExampleConnector vs kvtier serve, one budget."""
         from kvtier.bench.serve import plot, print_rows
         from kvtier.errors import UserError

@@ -16,7 +16,7 @@ from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout
 
 _KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves", "load"}
-LOAD_MODES = ("async", "layerwise")
+LOAD_MODES = ("layerwise", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +27,10 @@ class ConnectorConfig:
     codec: str = "raw"
     fingerprint: str | None = None  # names the weights; default: derived from the model (directory)
     max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
-    # "async": a request waits (WAITING_FOR_REMOTE_KVS) until its whole load landed, the engine steps on;
-    # "layerwise": the load runs with the request's first forward, each layer waited for just before use.
-    load: str = "async"
+    # "layerwise": the load runs with the request's first forward, each layer waited for just before use;
+    # "async": a request waits (WAITING_FOR_REMOTE_KVS) until its whole load landed, the engine steps on.
+    # Layerwise is the default: it measured the better TTFT in `kvtier bench vllm` (docs/BENCHMARKS.md).
+    load: str = "layerwise"
 
     def __post_init__(self) -> None:
         if not self.tiers or not all(isinstance(spec, str) and spec for spec in self.tiers):
@@ -58,7 +59,7 @@ class ConnectorConfig:
         if isinstance(tiers, str):
             tiers = [tiers]
         return cls(tiers=tuple(tiers), codec=str(extra.get("codec", "raw")), fingerprint=extra.get("fingerprint"),
-                   max_pending_saves=int(extra.get("max_pending_saves", 256)), load=str(extra.get("load", "async")))
+                   max_pending_saves=int(extra.get("max_pending_saves", 256)), load=str(extra.get("load", "layerwise")))
 
 
 def check_supported(vllm_config) -> None:

@@ -21,7 +21,7 @@ BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 START_TIMEOUT_S = 420
 
 
-def kvtier_transfer_config(tiers: list[str], codec: str = "raw", load: str = "async") -> dict:
+def kvtier_transfer_config(tiers: list[str], codec: str = "raw", load: str = "layerwise") -> dict:
     """The `--kv-transfer-config` that loads kvtier's connector on `tiers`."""
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
