@@ -107,7 +107,9 @@ class WorkerSide:
         blocks, tiers = self._read_verified(spec)
         try:
             if blocks:
-                self._write(torch.stack(blocks), spec.block_ids[:len(blocks)], range(len(self._views)))
+                index = torch.tensor(spec.block_ids[:len(blocks)], dtype=torch.long)
+                for layer in range(len(self._views)):
+                    self._write_layer(blocks, index, layer)
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
             log.exception("kvtier: writing %d blocks for %s failed; recomputing", len(blocks), spec.req_id)
             blocks = []
@@ -156,11 +158,9 @@ class WorkerSide:
             return None
         return kv
 
-    def _write(self, kv: torch.Tensor, block_ids: list[int], layers) -> None:
-        # kv: [n, L, 2, H, T, D], every block already verified
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for layer in layers:
-            self._views[layer][index] = kv[:, layer]
+    def _write_layer(self, blocks: list[torch.Tensor], index: torch.Tensor, layer: int) -> None:
+        # blocks: n x [L, 2, H, T, D], every one already verified; one layer gathered, then one index_put
+        self._views[layer][index] = torch.stack([block[layer] for block in blocks])
 
     def start_layerwise(self, loads: list[LoadSpec]) -> None:
         """Layerwise mode: this step's loads start now; `wait_layer` holds each layer's attention until
@@ -175,12 +175,12 @@ class WorkerSide:
         start = time.perf_counter()
         read = [self._read_verified(spec) for spec in loads]  # every block verified before any is written
         kv = [block for blocks, _ in read for block in blocks]
-        block_ids = [b for spec, (blocks, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]]
+        index = torch.tensor([b for spec, (blocks, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]],
+                             dtype=torch.long)
         try:
-            stacked = torch.stack(kv) if kv else None
-            for layer, ready in enumerate(state.ready):
-                if stacked is not None:
-                    self._write(stacked, block_ids, (layer,))
+            for layer, ready in enumerate(state.ready):  # layer 0 is ready after 1/L of the copy
+                if kv:
+                    self._write_layer(kv, index, layer)
                 ready.set()
         except Exception:  # noqa: BLE001 - recomputed, as any failed load
             log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(kv))
@@ -202,9 +202,14 @@ class WorkerSide:
             state.ready[layer].wait()
 
     def finish_layerwise(self) -> None:
+        """Step end: the step's layerwise loads are over (the forward may have skipped some layers)."""
         state, self._layerwise = self._layerwise, None
-        if state is not None and state.future is not None:
+        if state is None or state.future is None:
+            return
+        try:
             state.future.result()
+        except Exception:  # noqa: BLE001 - bookkeeping only: the copies and the error report are done
+            log.exception("kvtier: layerwise load bookkeeping failed")
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose async load ended (fully or not); their failed block ids move to the error set."""
