@@ -5,9 +5,10 @@
    (copied out layer by layer, as every kvtier process here).
 3. A second vLLM process on the same SSD directory, loading layer by layer (`"load": "layerwise"`, the
    default): loads them (ssd hits), recomputes a corrupted or replaced block file, keeps two salts apart.
-4. A third on shared memory + the pools, loading asynchronously (`"load": "async"`), on a device budget too small to keep
-   its prompts: the prefix comes through Mooncake; with Mooncake killed, through Redis; a prompt the
-   device evicted comes back from the shared-memory tier (written by the worker, found by the scheduler).
+4. A third on shared memory + the pools, loading asynchronously (`"load": "async"`), on a device budget
+   too small to keep its prompts: the prefix comes through Mooncake; with Mooncake killed, through Redis;
+   a prompt the device evicted comes back from the shared-memory tier (written by the worker, found by
+   the scheduler).
 Every reply must equal vLLM alone's.
 """
 

@@ -19,7 +19,8 @@ def start_vllm(log_path: Path, tiers: list[str] | None = None, *, load: str = "l
     kv_transfer = None if tiers is None else kvtier_transfer_config(tiers, load=load)
     if num_device_blocks is None:
         return VllmServer(model_dir, log_path, kv_transfer=kv_transfer)
-    return VllmServer(model_dir, log_path, kv_transfer=kv_transfer, max_model_len=(num_device_blocks - 1) * BLOCK_TOKENS,
+    return VllmServer(model_dir, log_path, kv_transfer=kv_transfer,
+                      max_model_len=(num_device_blocks - 1) * BLOCK_TOKENS,
                       extra_args=("--num-gpu-blocks-override", str(num_device_blocks)))
 
 

@@ -267,9 +267,12 @@ def add_command(bench) -> None:
         """vLLM alone vs vLLM + kvtier (DRAM, SSD, pool) vs vLLM + ExampleConnector vs kvtier serve, one budget."""
         from kvtier.bench.serve import plot, print_rows
         from kvtier.errors import UserError
+        from kvtier.integrations.vllm.config import LOAD_MODES
 
         names = tuple(s.strip() for s in systems.split(","))
         unknown = [n for n in names if n not in SYSTEMS]
+        if load not in LOAD_MODES:
+            raise UserError(f"unknown --load {load!r}: use {' or '.join(LOAD_MODES)}")
         if unknown or workload not in ("chat", "mooncake"):
             raise UserError(f"unknown system(s) {unknown} or workload {workload!r}: systems {', '.join(SYSTEMS)}; "
                             "workload chat or mooncake")
