@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.vllm import _cached_tokens
+from kvtier.bench.vllm import _breakdown, _cached_tokens, render_breakdown
 from kvtier.cli import main
 
 
@@ -15,6 +15,13 @@ def test_an_unknown_system_is_refused_before_anything_runs(capsys):
         main(["bench", "vllm", "--systems", "vllm,vllm-kvtier-nvme"])
     assert exc.value.code == 2
     assert "vllm-kvtier-nvme" in capsys.readouterr().err
+
+
+def test_an_unknown_load_mode_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--systems", "vllm-kvtier-dram", "--load", "sync"])
+    assert exc.value.code == 2
+    assert "layerwise or async" in capsys.readouterr().err
 
 
 def test_cached_tokens_are_the_run_s_metric_deltas_by_tier():
@@ -49,3 +56,23 @@ def test_lmcache_server_offers_the_cpu_transfer_and_vllm_connects_to_its_port(tm
     assert server.transfer_config() == {
         "kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": server.port}}
+
+
+def test_the_breakdown_is_per_request_means_and_run_totals():
+    def sample(name, value):
+        return (name, (("engine", "0"),)), value
+
+    before = dict([sample("vllm:request_queue_time_seconds_count", 2),
+                   sample("vllm:request_queue_time_seconds_sum", 1.0), sample("kvtier:load_seconds_total", 0.5)])
+    after = dict([sample("vllm:request_queue_time_seconds_count", 6),
+                  sample("vllm:request_queue_time_seconds_sum", 9.0),
+                  sample("vllm:request_prefill_time_seconds_sum", 2.0),
+                  sample("vllm:request_decode_time_seconds_sum", 8.0),
+                  sample("vllm:request_prefill_kv_computed_tokens_sum", 640),
+                  sample("vllm:num_preemptions_total", 1), sample("kvtier:load_seconds_total", 2.0)])
+    b = _breakdown(before, after)
+    assert (b["queue_s_mean"], b["prefill_s_mean"], b["decode_s_mean"]) == (2.0, 0.5, 2.0)
+    assert (b["computed_prompt_tokens"], b["preemptions"], b["kvtier_load_seconds"]) == (640, 1, 1.5)
+    row = {"system": "x", "breakdown": b | {"load_avg": 3.0}}
+    expected = "| x | 2.00 s | 0.50 s | 2.00 s | 640 | 1 | 1.50 s | 0.00 s | 0.00 s | 3.0 |"
+    assert render_breakdown([row]).endswith(expected)

@@ -1,16 +1,22 @@
 """kvtier under real vLLM (the CPU build in `.venv-vllm`): four engine starts in all, shared by the tests.
 
 1. vLLM alone: the reference replies (and the converted checkpoint against transformers).
-2. vLLM + kvtier on DRAM, an SSD directory, a Mooncake pool and Redis: stores the prompts' blocks.
-3. A second vLLM process on the same SSD directory: loads them (ssd hits), recomputes a corrupted or
-   replaced block file, keeps two salts apart.
-4. A third on the pools only: the prefix comes through Mooncake; with Mooncake killed, through Redis.
+2. vLLM + kvtier on DRAM, an SSD directory, a Mooncake pool and Redis: stores the prompts' blocks
+   (copied out layer by layer, as every kvtier process here).
+3. A second vLLM process on the same SSD directory, loading layer by layer (`"load": "layerwise"`, the
+   default): loads them (ssd hits), recomputes a corrupted or replaced block file, keeps two salts apart.
+4. A third on shared memory + the pools, loading asynchronously (`"load": "async"`), on a device budget
+   too small to keep its prompts: the prefix comes through Mooncake; with Mooncake killed, through Redis;
+   a prompt the device evicted comes back from the shared-memory tier (written by the worker, found by
+   the scheduler).
 Every reply must equal vLLM alone's.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -82,8 +88,9 @@ def stored(prompts, pools, ssd_dir, reference, tmp_path_factory) -> dict[str, di
 
 @pytest.fixture(scope="module")
 def second(stored, ssd_dir, tmp_path_factory):
-    """A second process on the same SSD directory (and a DRAM tier of its own)."""
-    with start_vllm(tmp_path_factory.mktemp("vllm") / "second.log", ["dram:64MiB", f"ssd:{ssd_dir}:1GiB"]) as server:
+    """A second process on the same SSD directory (and a DRAM tier of its own), loading layer by layer."""
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "second.log", ["dram:64MiB", f"ssd:{ssd_dir}:1GiB"],
+                    load="layerwise") as server:
         yield server
 
 
@@ -160,10 +167,19 @@ def test_two_salts_never_share_a_block(second, stored, ssd_dir, reference, promp
     assert same["text"] == reference["salted"]["text"]
 
 
-def test_prefix_shared_through_the_pool_and_a_dead_pool_fails_no_request(stored, pools, reference, prompts,
+@pytest.fixture
+def shm_dir():
+    """A directory on shared memory (/dev/shm), which every process sees."""
+    path = tempfile.mkdtemp(prefix="kvtier-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_prefix_shared_through_the_pool_and_a_dead_pool_fails_no_request(stored, pools, shm_dir, reference, prompts,
                                                                            tmp_path_factory):
-    tiers = ["dram:64MiB", pools["mooncake"].spec, pools["redis"].spec]
-    with start_vllm(tmp_path_factory.mktemp("vllm") / "pool.log", tiers) as server:
+    tiers = [f"shm:{shm_dir}:64MiB", pools["mooncake"].spec, pools["redis"].spec]
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "pool.log", tiers, load="async",
+                    num_device_blocks=32) as server:
         reply = server.complete(prompts["pool_a"])
         assert reply["kvtier_hit_tokens"] == {"mooncake": loadable_tokens(stored["pool_a"])}
         assert reply["text"] == reference["pool_a"]["text"]
@@ -174,3 +190,7 @@ def test_prefix_shared_through_the_pool_and_a_dead_pool_fails_no_request(stored,
         fresh = server.complete(prompts["fresh"])
         assert fresh["text"] == reference["fresh"]["text"] and fresh["kvtier_hit_tokens"] == {}
         assert server.metric("kvtier:hit_tokens_total", tier="redis") >= loadable_tokens(stored["pool_b"])
+        # 32 device blocks: pool_b and fresh (~14 blocks each) evicted pool_a's first blocks from the device
+        again = server.complete(prompts["pool_a"])
+        assert again["text"] == reference["pool_a"]["text"]
+        assert set(again["kvtier_hit_tokens"]) == {"shm"} and again["kvtier_hit_tokens"]["shm"] > 0

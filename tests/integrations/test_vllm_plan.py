@@ -10,6 +10,7 @@ from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import ConnectorConfig
 from kvtier.integrations.vllm.plan import LoadSpec, RequestTracker, SaveSpec, request_namespace
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.tiers import SharedMemoryTier, make_tier
 from kvtier.tiers.manager import build_manager
 
 T = 4  # block tokens
@@ -40,10 +41,23 @@ def test_salt_and_lora_are_in_the_namespace():
     assert len(names) == 4 and request_namespace(None) == ""
 
 
-def test_a_dram_tier_alone_is_refused():
-    with pytest.raises(ValueError, match="SSD or pool"):
+def test_a_dram_tier_alone_is_refused_shared_memory_is_not():
+    with pytest.raises(ValueError, match="shm, SSD or pool"):
         ConnectorConfig(tiers=("dram:1GiB",))
     assert ConnectorConfig(tiers=("dram:1GiB", "ssd:/x:1GiB")).shared_tiers == ("ssd:/x:1GiB",)
+    assert ConnectorConfig(tiers=("shm:/dev/shm/x:1GiB",)).shared_tiers == ("shm:/dev/shm/x:1GiB",)
+
+
+def test_load_modes():
+    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"]}).load == "layerwise"
+    assert ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"], "load": "async"}).load == "async"
+    with pytest.raises(ValueError, match="load"):
+        ConnectorConfig(tiers=("ssd:/x:1GiB",), load="sync")
+
+
+def test_a_shared_memory_tier_is_the_disk_tier_named_shm(tmp_path):
+    tier = make_tier(f"shm:{tmp_path}:1MiB", slot_bytes=1024)
+    assert isinstance(tier, SharedMemoryTier) and tier.name == "shm" and tier.capacity_bytes == 1 << 20
     with pytest.raises(ValueError, match="unknown"):
         ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"], "tier": []})
 
@@ -60,7 +74,7 @@ def test_matched_blocks_are_loaded_and_the_rest_saved(manager):
     req.num_computed_tokens = 3 * T  # as vLLM sets it once the load is in
     records = side.build_records({"r1": 22 - 3 * T}, lambda req_id: [10, 11, 12, 13, 14, 15])
     assert records.loads == [LoadSpec("r1", keys[:3], [10, 11, 12])]
-    assert records.saves == [SaveSpec(keys[3:5], [13, 14])]  # the loaded blocks are not written again
+    assert records.saves == [SaveSpec("r1", keys[3:5], [13, 14])]  # the loaded blocks are not written again
     assert side.build_records({}, None).loads == []  # records are handed over once
 
 
@@ -90,7 +104,7 @@ def test_a_failed_load_is_recomputed_and_saved_again(manager):
     assert side.hit_tokens_by_tier("r1") == {"ssd": 2 * T}
     req.num_computed_tokens = 2 * T
     records = side.build_records({"r1": 30 - 2 * T}, lambda req_id: list(range(20, 28)))
-    assert records.saves == [SaveSpec(keys[2:7], [22, 23, 24, 25, 26])]
+    assert records.saves == [SaveSpec("r1", keys[2:7], [22, 23, 24, 25, 26])]
 
 
 def test_another_salt_finds_nothing(manager):

@@ -2,6 +2,8 @@
 vLLM's OpenAI API, on one device KV budget that cannot hold all conversations, side by side:
 
 - `vllm`: vLLM alone (its device prefix cache);
+- `vllm-kvtier-dram`: vLLM + kvtier's connector on DRAM only: a shared-memory tier (`shm:`, block files
+  under /dev/shm, which vLLM's scheduler and worker processes both see);
 - `vllm-kvtier-ssd`: vLLM + kvtier's connector on DRAM + SSD (a temporary directory);
 - `vllm-kvtier-pool`: vLLM + kvtier on DRAM + a local Mooncake pool (started here);
 - `vllm-example`: vLLM + its ExampleConnector (safetensors files per prompt);
@@ -11,13 +13,19 @@ vLLM's OpenAI API, on one device KV budget that cannot hold all conversations, s
 
 Each system replays the same requests (greedy, EOS ignored). Reported: TTFT p50/p99, ITL, tokens/s,
 cached prompt tokens by tier (device = vLLM's own prefix cache, from /metrics), failures, and whether
-every reply equals vLLM alone's (kvtier-serve is another engine: its text is not compared).
+every reply equals vLLM alone's (kvtier-serve is another engine: its text is not compared), and where
+each vLLM system's time went (`breakdown`, from /metrics): per request, the mean time queued (waiting for
+device blocks, and for an asynchronous kvtier load), in prefill and in decode; the prompt tokens vLLM
+really computed; preemptions; kvtier's worker time in loads and in copying saves out; the machine's
+1-minute load average (the larger of the system's start and end: other work on the cores shows there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -26,7 +34,8 @@ from pathlib import Path
 
 from kvtier.bench.serve import SystemResult, TurnClock, Workload, _prompt, conversations, trace_requests
 
-SYSTEMS = ("vllm", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "vllm-lmcache", "kvtier-serve")
+SYSTEMS = ("vllm", "vllm-kvtier-dram", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "vllm-lmcache",
+           "kvtier-serve")
 
 
 async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens: int) -> str | None:
@@ -100,13 +109,32 @@ def _run_trace(url: str, reqs, name: str) -> SystemResult:
     return result
 
 
+def _delta(before: dict, after: dict, name: str, **labels) -> float:
+    def total(m):
+        return sum(v for (n, ls), v in m.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+    return total(after) - total(before)
+
+
+def _breakdown(before: dict, after: dict) -> dict[str, float]:
+    """Where the time went, from vLLM's request histograms (means per finished request) and kvtier's counters."""
+    def delta(name: str) -> float:
+        return _delta(before, after, name)
+
+    num_requests = max(1.0, delta("vllm:request_queue_time_seconds_count"))
+    out = {f"{phase}_s_mean": delta(f"vllm:request_{phase}_time_seconds_sum") / num_requests
+           for phase in ("queue", "prefill", "decode")}
+    out["computed_prompt_tokens"] = delta("vllm:request_prefill_kv_computed_tokens_sum")
+    out["preemptions"] = delta("vllm:num_preemptions_total")
+    for name in ("load_seconds", "save_copy_seconds", "save_write_seconds"):
+        out[f"kvtier_{name}"] = delta(f"kvtier:{name}_total")
+    return out
+
+
 def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
     """Prompt tokens served from caches during the run, by where they were: vLLM's device prefix
     cache, kvtier's tiers (the worker's own count), or another connector ("external")."""
     def delta(name: str, **labels) -> float:
-        def total(m):
-            return sum(v for (n, ls), v in m.items() if n == name and all((k, x) in ls for k, x in labels.items()))
-        return total(after) - total(before)
+        return _delta(before, after, name, **labels)
 
     out = {"device": int(delta("vllm:prefix_cache_hits_total"))}
     tiers = {dict(ls).get("tier") for (n, ls) in after if n == "kvtier:hit_tokens_total"}
@@ -117,7 +145,7 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int):
+def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
     from kvtier.integrations.vllm.launch import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
                                                  kvtier_transfer_config)
     from kvtier.services import MooncakePool
@@ -125,13 +153,17 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
     python = VLLM_PYTHON
     if name == "vllm":
         transfer = None
+    elif name == "vllm-kvtier-dram":
+        shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+        stack.callback(shutil.rmtree, shm, ignore_errors=True)
+        transfer = kvtier_transfer_config([f"shm:{shm}:2GiB"], load=load)
     elif name == "vllm-kvtier-ssd":
-        transfer = kvtier_transfer_config(["dram:2GiB", f"ssd:{tmp / 'ssd'}:8GiB"])
+        transfer = kvtier_transfer_config(["dram:2GiB", f"ssd:{tmp / 'ssd'}:8GiB"], load=load)
     elif name == "vllm-kvtier-pool":
         pool = MooncakePool(tmp, segment="2GB", buffer="256MiB")
         stack.callback(pool.kill)
         pool.start()
-        transfer = kvtier_transfer_config(["dram:2GiB", pool.spec])
+        transfer = kvtier_transfer_config(["dram:2GiB", pool.spec], load=load)
     elif name == "vllm-example":
         (tmp / "example").mkdir(exist_ok=True)
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -149,7 +181,7 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
         trace: bool = False, trace_requests_: int = 32, trace_start: int = 0, time_scale: float = 1.0,
-        log_dir: str | None = None) -> list[dict]:
+        log_dir: str | None = None, load: str = "layerwise") -> list[dict]:
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
@@ -170,6 +202,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                           block_tokens=16, max_tokens=w.max_tokens, time_scale=time_scale,
                           max_context=(num_blocks - 1) * BLOCK_TOKENS) if trace else None
     results: dict[str, SystemResult] = {}
+    breakdowns: dict[str, dict[str, float]] = {}
     for name in systems:
         with ExitStack() as stack:
             tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
@@ -181,16 +214,19 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                 results[name] = (serve.run_engine_trace(loaded, reqs, **args) if trace
                                  else serve.run_engine(loaded, convs, w, **args))
                 continue
-            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks)
-            before = server.metrics()
+            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load)
+            before, load_before = server.metrics(), os.getloadavg()[0]
             results[name] = (_run_trace(server.url, reqs, name) if trace
                              else _run_chat(server.url, loaded.tokenizer, convs, w, name))
-            results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, server.metrics())
+            after = server.metrics()
+            results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
+            breakdowns[name] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0])}
     reference = results.get("vllm")
     rows = []
     for name, result in results.items():
         row = result.row(reference if name.startswith("vllm") and result is not reference else None)
         row["same_text_as_vllm"] = row.pop("same_text_as_generate")
+        row["breakdown"] = breakdowns.get(name, {})
         rows.append(row)
     return rows
 
@@ -206,6 +242,22 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} s | "
                      f"{r['ttft_p99_s']:.2f} s | {r['itl_p50_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | "
                      f"{r['wall_s']:.0f} s | {r['prompt_tokens']:,} | {cached} | {same} |")
+    return "\n".join(lines + ["", render_breakdown(rows)])
+
+
+def render_breakdown(rows: list[dict]) -> str:
+    """Where each vLLM system's time went: per request means, and totals over the run."""
+    lines = ["| system | queued (mean) | prefill (mean) | decode (mean) | prompt tokens computed | preemptions | "
+             "kvtier load | kvtier save copy | kvtier save write | load average |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r.get("breakdown")
+        if not b:
+            continue
+        lines.append(f"| {r['system']} | {b['queue_s_mean']:.2f} s | {b['prefill_s_mean']:.2f} s | "
+                     f"{b['decode_s_mean']:.2f} s | {b['computed_prompt_tokens']:,.0f} | {b['preemptions']:.0f} | "
+                     f"{b['kvtier_load_seconds']:.2f} s | {b['kvtier_save_copy_seconds']:.2f} s | "
+                     f"{b['kvtier_save_write_seconds']:.2f} s | {b['load_avg']:.1f} |")
     return "\n".join(lines)
 
 
@@ -224,19 +276,24 @@ def add_command(bench) -> None:
              trace_start: int = typer.Option(0, min=0), time_scale: float = typer.Option(1.0),
              json_out: bool = typer.Option(False, "--json"),
              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
-             log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)")) -> None:
-        """vLLM alone vs vLLM + kvtier (SSD, pool) vs vLLM + ExampleConnector or LMCache vs kvtier serve."""
+             log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)"),
+             load: str = typer.Option("layerwise", help="kvtier's load mode: layerwise (in the request's first "
+                                                        "forward, layer by layer) or async (before it runs)")) -> None:
+        """vLLM alone vs vLLM + kvtier (DRAM, SSD, pool) vs vLLM + ExampleConnector or LMCache vs kvtier serve."""
         from kvtier.bench.serve import plot, print_rows
         from kvtier.errors import UserError
+        from kvtier.integrations.vllm.config import LOAD_MODES
 
         names = tuple(s.strip() for s in systems.split(","))
         unknown = [n for n in names if n not in SYSTEMS]
+        if load not in LOAD_MODES:
+            raise UserError(f"unknown --load {load!r}: use {' or '.join(LOAD_MODES)}")
         if unknown or workload not in ("chat", "mooncake"):
             raise UserError(f"unknown system(s) {unknown} or workload {workload!r}: systems {', '.join(SYSTEMS)}; "
                             "workload chat or mooncake")
         rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), systems=names,
                    device_kv_tokens=device_kv_tokens, trace=workload == "mooncake", trace_requests_=trace_requests_,
-                   trace_start=trace_start, time_scale=time_scale, log_dir=log_dir)
+                   trace_start=trace_start, time_scale=time_scale, log_dir=log_dir, load=load)
         if plot_path:
             plot(rows, plot_path, f"kvtier bench vllm --workload {workload} (SmolLM2 fp32, {device_kv_tokens} "
                                   "device KV tokens, this machine)")

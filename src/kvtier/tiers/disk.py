@@ -429,3 +429,12 @@ class DiskTier:
 
     def close(self) -> None:
         pass
+
+
+class SharedMemoryTier(DiskTier):
+    """The disk tier on a RAM file system (`/dev/shm`): DRAM that every process on the host sees.
+
+    vLLM's scheduler and worker are separate processes; a `HostTier` lives in one of them, block files
+    under `/dev/shm` are read by both (the scheduler's lookups, the worker's loads) at memory speed."""
+
+    name = "shm"

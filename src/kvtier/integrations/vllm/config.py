@@ -15,7 +15,8 @@ from pathlib import Path
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout
 
-_KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves"}
+_KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves", "load"}
+LOAD_MODES = ("layerwise", "async")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,14 +27,21 @@ class ConnectorConfig:
     codec: str = "raw"
     fingerprint: str | None = None  # names the weights; default: derived from the model (directory)
     max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
+    # "layerwise": the load runs with the request's first forward, each layer waited for just before use;
+    # "async": a request waits (WAITING_FOR_REMOTE_KVS) until its whole load landed, the engine steps on.
+    # Layerwise is the default: it measured the better TTFT in `kvtier bench vllm` (docs/BENCHMARKS.md).
+    load: str = "layerwise"
 
     def __post_init__(self) -> None:
         if not self.tiers or not all(isinstance(spec, str) and spec for spec in self.tiers):
             raise ValueError('kv_connector_extra_config needs "tiers": a non-empty list of tier specs '
                              '(as `kvtier serve --tier`: "dram:4GiB", "ssd:/path:100GiB", "mooncake://HOST:PORT")')
         if not self.shared_tiers:
-            raise ValueError("KvtierConnector needs an SSD or pool tier (a DRAM tier alone is not enough): vLLM's "
-                             "scheduler runs in another process than its worker and looks blocks up there")
+            raise ValueError("KvtierConnector needs an shm, SSD or pool tier (a DRAM tier alone is not enough): vLLM's "
+                             "scheduler runs in another process than its worker and looks blocks up there; for DRAM "
+                             'every process sees, use "shm:/dev/shm/DIR:SIZE"')
+        if self.load not in LOAD_MODES:
+            raise ValueError(f'"load" must be one of {LOAD_MODES}, got {self.load!r}')
         if self.max_pending_saves <= 0:
             raise ValueError(f"max_pending_saves must be positive, got {self.max_pending_saves}")
 
@@ -51,7 +59,7 @@ class ConnectorConfig:
         if isinstance(tiers, str):
             tiers = [tiers]
         return cls(tiers=tuple(tiers), codec=str(extra.get("codec", "raw")), fingerprint=extra.get("fingerprint"),
-                   max_pending_saves=int(extra.get("max_pending_saves", 256)))
+                   max_pending_saves=int(extra.get("max_pending_saves", 256)), load=str(extra.get("load", "layerwise")))
 
 
 def check_supported(vllm_config) -> None:

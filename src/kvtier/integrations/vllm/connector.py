@@ -34,7 +34,7 @@ log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its 
 
 # vLLM's own names for where cached tokens came from (`vllm:prompt_tokens_cached_by_source`).
 # A pool's blocks were written by other servers and fetched over the network: "p2p" is the nearest.
-_HIT_SOURCE = {"dram": CacheHitSource.HOST, "ssd": CacheHitSource.DISK,
+_HIT_SOURCE = {"dram": CacheHitSource.HOST, "shm": CacheHitSource.HOST, "ssd": CacheHitSource.DISK,
                "mooncake": CacheHitSource.P2P, "redis": CacheHitSource.P2P}
 
 
@@ -69,6 +69,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._space = key_space(vllm_config, config)
         codec = get_codec(config.codec)
         slot_bytes = codec.max_encoded_bytes(self._space.layout) + 4096
+        self._layerwise = config.load == "layerwise"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -80,8 +81,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
             self._worker = WorkerSide(self._space.layout, codec, self._manager,
                                       max_pending_saves=config.max_pending_saves)
-        log.info("kvtier connector (%s): tiers %s, codec %s, layout %s", role.name.lower(),
-                 [tier.name for tier in self._manager.tiers], codec.name, self._space.layout.encode().decode())
+        log.info("kvtier connector (%s): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
+                 [tier.name for tier in self._manager.tiers], codec.name, config.load,
+                 self._space.layout.encode().decode())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -90,7 +92,7 @@ class KvtierConnector(KVConnectorBase_V1):
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
-        return num_tokens, num_tokens > 0
+        return num_tokens, num_tokens > 0 and not self._layerwise
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
@@ -127,21 +129,31 @@ class KvtierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict) -> None:
         self._worker.register(kv_caches, extract_layer_index)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KvtierMetadata)
+            self._worker.begin_step(connector_metadata.saves)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        """Async: after the forward (vLLM starts async loads then), the requests wait for them.
+        Layerwise: before the forward, which waits per layer in `wait_for_layer_load`."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        self._worker.start_loads(meta.loads)
+        if self._layerwise:
+            self._worker.start_layerwise(meta.loads)
+        else:
+            self._worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: a request is scheduled only once its whole load has landed
+        self._worker.wait_layer(layer_name)  # returns at once without a layerwise load in this step
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        return  # blocks are copied once per step in wait_for_save, all layers together
+        self._worker.save_layer(layer_name)  # this layer's slots of the step's saved blocks, copied out now
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvtierMetadata)
-        self._worker.save(meta.saves)
+        self._worker.finish_layerwise()
+        self._worker.finish_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.take_finished_loads() or None

@@ -25,11 +25,11 @@ START_TIMEOUT_S = 420
 LMCACHE_PYTHON = Path(os.environ.get("KVTIER_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python"))
 
 
-def kvtier_transfer_config(tiers: list[str], codec: str = "raw") -> dict:
+def kvtier_transfer_config(tiers: list[str], codec: str = "raw", load: str = "layerwise") -> dict:
     """The `--kv-transfer-config` that loads kvtier's connector on `tiers`."""
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"tiers": tiers, "codec": codec}}
+            "kv_connector_extra_config": {"tiers": tiers, "codec": codec, "load": load}}
 
 
 class LmcacheServer:

@@ -2,7 +2,8 @@
 
 The worker counts what it really loaded, per tier (`hit_tokens_dram`, `hit_tokens_ssd`,
 `hit_tokens_mooncake`, `hit_tokens_redis`), and `loaded_blocks`, `failed_blocks` (recomputed),
-`saved_blocks`, `dropped_blocks` (a save queue full or a tier error: a future miss).
+`saved_blocks`, `dropped_blocks` (a save queue full or a tier error: a future miss), and the time spent:
+`load_seconds`, `save_copy_seconds` (on the step), `save_write_seconds` (the writer thread).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ _COUNTS = {
     "failed_blocks": "Blocks that failed to load (missing, corrupt or foreign) and were recomputed.",
     "saved_blocks": "Blocks written down kvtier's tiers.",
     "dropped_blocks": "Blocks not saved (queue full or tier error): a future miss, never a failed request.",
+    "load_seconds": "The worker's time loading blocks (read, verify, write into the cache).",
+    "save_copy_seconds": "The worker's time copying saved blocks out of the cache, on the step.",
+    "save_write_seconds": "The writer thread's time encoding and writing saved blocks down the tiers.",
 }
 
 

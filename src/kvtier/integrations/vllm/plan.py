@@ -23,8 +23,9 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Copy `block_ids` (full, computed device blocks) down the tiers under `keys`."""
+    """Copy `block_ids` (full, computed device blocks of request `req_id`) down the tiers under `keys`."""
 
+    req_id: str
     keys: list[bytes]
     block_ids: list[int]
 

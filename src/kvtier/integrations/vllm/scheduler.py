@@ -86,7 +86,7 @@ class SchedulerSide:
                 continue
             keys = tracker.keys_for(tokens, num_full)[tracker.num_saved_blocks:]
             ids = block_ids_of(req_id)[tracker.num_saved_blocks:num_full]
-            self._records.saves.append(SaveSpec(keys, ids))
+            self._records.saves.append(SaveSpec(req_id, keys, ids))
             tracker.num_saved_blocks = num_full
         records, self._records = self._records, StepRecords()
         return records

@@ -1,12 +1,17 @@
 """Worker side: copies blocks between vLLM's paged KV cache and the tier stack.
 
-Loads run on one thread while the engine keeps stepping (the request waits in vLLM's
-WAITING_FOR_REMOTE_KVS state, so nothing reads its blocks until the load is reported finished).
-Every block is verified and decoded before its KV is written; a missing, corrupt or foreign block
+Loads run on one thread, in one of two modes:
+- async: while the engine keeps stepping (the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, so
+  nothing reads its blocks until the load is reported finished);
+- layerwise: with the step that first runs the request; the thread reads and verifies every block,
+  then writes layer after layer, and the forward waits for each layer just before its attention.
+Every block is verified and decoded before any of its KV is written; a missing, corrupt or foreign block
 ends the load there and its block ids (and those after it) are reported back, so vLLM recomputes
-them. Saves copy the step's newly full blocks out of the cache at once (the blocks may be freed
-after the step) and encode + write them on another thread; a full queue drops the save (a future
-miss) rather than stall a step. No tier error ever reaches vLLM.
+them (a layerwise load's request then saves nothing this step: its new blocks attended to the holes).
+Saves copy the step's newly full blocks out layer by layer as the forward leaves each layer (the blocks
+may be freed after the step), into one buffer the step end hands to another thread, which encodes and
+writes them; a full queue drops the save (a future miss) rather than stall a step. No tier error ever
+reaches vLLM.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -40,18 +47,40 @@ def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     return view.transpose(1, 2)
 
 
+@dataclass(slots=True)
+class _StepSave:
+    """This step's blocks to save, copied out one layer at a time as the forward leaves each layer."""
+
+    specs: list[SaveSpec]
+    index: torch.Tensor        # their device block ids, the specs' in order
+    kv: torch.Tensor           # [L, n, 2, H, T, D]: one contiguous slab per layer (one copy on the step)
+    layers_done: list[bool]
+
+
+@dataclass(slots=True)
+class _LayerwiseLoad:
+    """This step's loads: `ready[l]` is set once layer l of every verified block is in the cache."""
+
+    ready: list[threading.Event]
+    future: Future | None = None
+
+
 class WorkerSide:
     def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *, max_pending_saves: int) -> None:
         self.layout = layout
         self.codec = codec
         self.manager = manager
         self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
+        self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
         self._done_loads: list[tuple[str, list[int]]] = []  # (req_id, block ids that failed)
         self._loaded_tiers: dict[str, list[str]] = {}      # req_id -> the tier each loaded block came from
         self._invalid_block_ids: set[int] = set()
+        self._failed_req_ids: set[str] = set()   # layerwise loads that failed this step: save nothing of them
         self._stats: Counter = Counter()
+        self._step_save: _StepSave | None = None
+        self._layerwise: _LayerwiseLoad | None = None
         self._saves: queue.Queue = queue.Queue(max_pending_saves)
         self._saver = threading.Thread(target=self._drain_saves, name="kvtier-save", daemon=True)
         self._saver.start()
@@ -62,41 +91,60 @@ class WorkerSide:
         if len(names) != self.layout.num_layers:
             raise ValueError(f"{len(names)} KV cache layers registered, the model has {self.layout.num_layers}")
         self._views = [block_view(kv_caches[name], self.layout) for name in names]
+        self._layer_of = {name: i for i, name in enumerate(names)}
         dtype = str(self._views[0].dtype).removeprefix("torch.")
         if dtype != self.layout.dtype:
             raise ValueError(f"KV cache dtype {dtype} is not the model's {self.layout.dtype}")
 
     # -- loads -----------------------------------------------------------------------------------
     def start_loads(self, loads: list[LoadSpec]) -> None:
+        """Async mode: each request's whole load on the thread; reported by `take_finished_loads`."""
         for spec in loads:
             self._loader.submit(self._load, spec)
 
     def _load(self, spec: LoadSpec) -> None:
-        num_ok, tiers = 0, []
+        start = time.perf_counter()
+        blocks, tiers = self._read_verified(spec)
+        try:
+            if blocks:
+                index = torch.tensor(spec.block_ids[:len(blocks)], dtype=torch.long)
+                for layer in range(len(self._views)):
+                    self._write_layer(blocks, index, layer)
+        except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
+            log.exception("kvtier: writing %d blocks for %s failed; recomputing", len(blocks), spec.req_id)
+            blocks = []
+        failed = self._account(spec, tiers[:len(blocks)], time.perf_counter() - start)
+        with self._lock:
+            self._done_loads.append((spec.req_id, failed))
+
+    def _read_verified(self, spec: LoadSpec) -> tuple[list[torch.Tensor], list[str]]:
+        """The blocks of `spec` up to the first one missing or not proven to be the one its key names,
+        each [L, 2, H, T, D], and the tier each came from."""
         try:
             # One batched contains + get per tier; each block proven to be the one its key names.
             prefix = self.manager.read(self.manager.match(spec.keys))
-            tiers = prefix.tiers
             blocks = []
             for key, hdr, data in zip(spec.keys, prefix.headers, prefix.payloads):
                 kv = self._decode(key, hdr, data)
                 if kv is None:
                     break
                 blocks.append(kv)
-            num_ok = len(blocks)
-            if blocks:
-                self._write(torch.stack(blocks), spec.block_ids[:num_ok])
+            return blocks, prefix.tiers[:len(blocks)]
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
             log.exception("kvtier: load of %d blocks for %s failed; recomputing", len(spec.keys), spec.req_id)
-            num_ok = 0
-        failed = spec.block_ids[num_ok:]
+            return [], []
+
+    def _account(self, spec: LoadSpec, tiers: list[str], seconds: float) -> list[int]:
+        """Count a finished load (`tiers`: one per loaded block); the block ids that did not load."""
+        failed = spec.block_ids[len(tiers):]
         with self._lock:
-            self._done_loads.append((spec.req_id, failed))
-            self._loaded_tiers[spec.req_id] = tiers[:num_ok]
-            for tier in tiers[:num_ok]:
+            self._loaded_tiers[spec.req_id] = tiers
+            for tier in tiers:
                 self._stats[f"hit_tokens_{tier}"] += self.layout.block_tokens
-            self._stats["loaded_blocks"] += num_ok
+            self._stats["loaded_blocks"] += len(tiers)
             self._stats["failed_blocks"] += len(failed)
+            self._stats["load_seconds"] += seconds
+        return failed
 
     def _decode(self, key: bytes, hdr: Header, data: bytes) -> torch.Tensor | None:
         try:
@@ -110,14 +158,61 @@ class WorkerSide:
             return None
         return kv
 
-    def _write(self, kv: torch.Tensor, block_ids: list[int]) -> None:
-        # kv: [n, L, 2, H, T, D]
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for layer, view in enumerate(self._views):
-            view[index] = kv[:, layer]
+    def _write_layer(self, blocks: list[torch.Tensor], index: torch.Tensor, layer: int) -> None:
+        # blocks: n x [L, 2, H, T, D], every one already verified; one layer gathered, then one index_put
+        self._views[layer][index] = torch.stack([block[layer] for block in blocks])
+
+    def start_layerwise(self, loads: list[LoadSpec]) -> None:
+        """Layerwise mode: this step's loads start now; `wait_layer` holds each layer's attention until
+        that layer is in the cache; `finish_layerwise` (step end) reports what failed."""
+        if not loads:
+            return
+        state = _LayerwiseLoad([threading.Event() for _ in self._views])
+        state.future = self._loader.submit(self._load_layers, loads, state)
+        self._layerwise = state
+
+    def _load_layers(self, loads: list[LoadSpec], state: _LayerwiseLoad) -> None:
+        start = time.perf_counter()
+        read = [self._read_verified(spec) for spec in loads]  # every block verified before any is written
+        kv = [block for blocks, _ in read for block in blocks]
+        index = torch.tensor([b for spec, (blocks, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]],
+                             dtype=torch.long)
+        try:
+            for layer, ready in enumerate(state.ready):  # layer 0 is ready after 1/L of the copy
+                if kv:
+                    self._write_layer(kv, index, layer)
+                ready.set()
+        except Exception:  # noqa: BLE001 - recomputed, as any failed load
+            log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(kv))
+            read = [([], []) for _ in loads]
+        finally:
+            for ready in state.ready:
+                ready.set()  # never leave the forward waiting
+        seconds = time.perf_counter() - start
+        for spec, (blocks, tiers) in zip(loads, read):
+            failed = self._account(spec, tiers, seconds / len(loads))
+            if failed:
+                with self._lock:
+                    self._invalid_block_ids.update(failed)
+                    self._failed_req_ids.add(spec.req_id)
+
+    def wait_layer(self, layer_name: str) -> None:
+        state, layer = self._layerwise, self._layer_of.get(layer_name)
+        if state is not None and layer is not None:
+            state.ready[layer].wait()
+
+    def finish_layerwise(self) -> None:
+        """Step end: the step's layerwise loads are over (the forward may have skipped some layers)."""
+        state, self._layerwise = self._layerwise, None
+        if state is None or state.future is None:
+            return
+        try:
+            state.future.result()
+        except Exception:  # noqa: BLE001 - bookkeeping only: the copies and the error report are done
+            log.exception("kvtier: layerwise load bookkeeping failed")
 
     def take_finished_loads(self) -> set[str]:
-        """Requests whose load ended (fully or not); their failed block ids move to the error set."""
+        """Requests whose async load ended (fully or not); their failed block ids move to the error set."""
         with self._lock:
             done, self._done_loads = self._done_loads, []
             for _, failed in done:
@@ -136,13 +231,50 @@ class WorkerSide:
         return invalid
 
     # -- saves -----------------------------------------------------------------------------------
-    def save(self, saves: list[SaveSpec]) -> None:
-        """Copy the blocks out now (vLLM may free them after this step); encode and write later."""
-        keys = [key for spec in saves for key in spec.keys]
-        if not keys or not self._views:
+    def begin_step(self, saves: list[SaveSpec]) -> None:
+        """The step's metadata arrived: make room for the blocks it saves (filled by `save_layer`)."""
+        self._step_save = None
+        block_ids = [b for spec in saves for b in spec.block_ids]
+        if not block_ids or not self._views:
             return
-        index = torch.tensor([b for spec in saves for b in spec.block_ids], dtype=torch.long)
-        kv = torch.stack([view.index_select(0, index) for view in self._views], dim=1)  # [n, L, 2, H, T, D]
+        view = self._views[0]
+        kv = torch.empty((len(self._views), len(block_ids), *view.shape[1:]), dtype=view.dtype)
+        self._step_save = _StepSave(saves, torch.tensor(block_ids, dtype=torch.long), kv,
+                                    [False] * len(self._views))
+
+    def save_layer(self, layer_name: str) -> None:
+        """The forward is done with this layer: copy its slots of the step's saved blocks out now."""
+        step, layer = self._step_save, self._layer_of.get(layer_name)
+        if step is not None and layer is not None and not step.layers_done[layer]:
+            self._copy_out(step, layer)
+
+    def _copy_out(self, step: _StepSave, layer: int) -> None:
+        start = time.perf_counter()
+        torch.index_select(self._views[layer], 0, step.index, out=step.kv[layer])
+        step.layers_done[layer] = True
+        with self._lock:
+            self._stats["save_copy_seconds"] += time.perf_counter() - start
+
+    def finish_save(self) -> None:
+        """Step end: copy any layer the forward did not pass (none in a normal step), drop the blocks of
+        requests whose layerwise load failed, and hand the rest to the writer thread."""
+        step, self._step_save = self._step_save, None
+        with self._lock:
+            failed_req_ids, self._failed_req_ids = self._failed_req_ids, set()
+        if step is None:
+            return
+        for layer, done in enumerate(step.layers_done):
+            if not done:
+                self._copy_out(step, layer)
+        keys, positions, offset = [], [], 0
+        for spec in step.specs:
+            if spec.req_id not in failed_req_ids:
+                keys += spec.keys
+                positions += range(offset, offset + len(spec.keys))
+            offset += len(spec.keys)
+        if not keys:
+            return
+        kv = step.kv if len(positions) == offset else step.kv[:, positions]
         try:
             self._saves.put_nowait((keys, kv))
         except queue.Full:
@@ -151,9 +283,10 @@ class WorkerSide:
 
     def _drain_saves(self) -> None:
         while (item := self._saves.get()) is not None:
-            keys, kv = item
+            keys, kv = item  # kv: [L, n, 2, H, T, D]
+            start = time.perf_counter()
             try:
-                self.manager.put_many([(key, self.codec.encode(kv[i], key)) for i, key in enumerate(keys)])
+                self.manager.put_many([(key, self.codec.encode(kv[:, i], key)) for i, key in enumerate(keys)])
                 with self._lock:
                     self._stats["saved_blocks"] += len(keys)
             except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request
@@ -161,13 +294,15 @@ class WorkerSide:
                 with self._lock:
                     self._stats["dropped_blocks"] += len(keys)
             finally:
+                with self._lock:
+                    self._stats["save_write_seconds"] += time.perf_counter() - start
                 self._saves.task_done()
 
     def wait_saves(self) -> None:
         self._saves.join()
 
     # -- stats and shutdown ----------------------------------------------------------------------
-    def take_stats(self) -> dict[str, int]:
+    def take_stats(self) -> dict[str, int | float]:
         with self._lock:
             stats, self._stats = dict(self._stats), Counter()
         return stats
