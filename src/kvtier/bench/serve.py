@@ -61,6 +61,8 @@ class SystemResult:
     num_prompt_tokens: int = 0
     step_tier_io_s: float = 0.0     # the engine step thread's time in tier calls
     transfer_s: float = 0.0         # the transfer worker's time in tier loads and stores
+    computed_tokens: int = 0        # tokens through the forward (recomputation included)
+    moved_bytes: int = 0            # KV copied back onto the device: swap out + in, and tier loads
 
     def fail(self, exc: BaseException) -> None:
         """Count a failed request; keep the first error's text."""
@@ -81,7 +83,8 @@ class SystemResult:
                 "prompt_tokens": self.num_prompt_tokens,
                 "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
                 "preemptions": self.num_preemptions, "step_tier_io_s": self.step_tier_io_s,
-                "transfer_s": self.transfer_s, "same_text_as_generate": same, "first_error": self.first_error}
+                "transfer_s": self.transfer_s, "computed_tokens": self.computed_tokens,
+                "moved_bytes": self.moved_bytes, "same_text_as_generate": same, "first_error": self.first_error}
 
 
 class TurnClock:
@@ -182,6 +185,8 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
         result.num_preemptions = stats.num_preemptions
         result.step_tier_io_s = stats.step_tier_io_seconds
         result.transfer_s = stats.transfer_load_seconds + stats.transfer_store_seconds
+        result.computed_tokens = stats.num_tokens_computed
+        result.moved_bytes = stats.swap_bytes + stats.num_blocks_loaded_from_tiers * layout.block_bytes
         if manager is not None:
             manager.close()
 
@@ -477,9 +482,9 @@ def print_rows(rows: list[dict], as_json: bool, table=None) -> None:
 
 def render(rows: list[dict]) -> str:
     lines = ["| system | requests | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL mean | tokens/s | wall | "
-             "prompt tokens | cached tokens by tier | preemptions | step-thread tier I/O | transfer worker | "
-             "same text as generate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prompt tokens | cached tokens by tier | preemptions | computed tokens | KV moved | "
+             "step-thread tier I/O | transfer worker | same text as generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = ", ".join(f"{k}: {v}" for k, v in r["cached_tokens_by_tier"].items()) or "–"
         same = {None: "(reference)", True: "yes", False: "NO"}[r["same_text_as_generate"]]
@@ -487,6 +492,7 @@ def render(rows: list[dict]) -> str:
                      f"{r['ttft_p99_s'] * 1000:,.0f} ms | {r['itl_p50_s'] * 1000:,.0f} ms | "
                      f"{r['itl_mean_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} s | "
                      f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | "
+                     f"{r.get('computed_tokens', 0):,} | {r.get('moved_bytes', 0) / 1e6:,.1f} MB | "
                      f"{r.get('step_tier_io_s', 0.0):.2f} s | {r.get('transfer_s', 0.0):.2f} s | {same} |")
     return "\n".join(lines)
 

@@ -100,6 +100,9 @@ class EngineStats:
     step_tier_io_seconds: float = 0.0   # the step thread's time in tier calls (matches); the rest is on the worker
     transfer_load_seconds: float = 0.0  # the transfer worker's time loading (read, verify, decode)
     transfer_store_seconds: float = 0.0  # ... and storing (check, encode, put)
+    num_tokens_computed: int = 0    # tokens through the forward (prompts, recomputed prefixes, decodes)
+    num_blocks_loaded_from_tiers: int = 0
+    swap_bytes: int = 0             # copied device -> host and back by swap preemption
 
 
 class LLMEngine:
@@ -129,6 +132,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.step_tier_io_seconds = 0.0
+        self.num_tokens_computed = 0
+        self.swap_bytes = 0
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -220,6 +225,7 @@ class LLMEngine:
             return self._fail(out, [r for r, _ in out.swap_out + out.swap_in], f"moving KV blocks failed: {exc}")
         try:
             run = self.runner.run(out.chunks) if out.chunks else RunOutput()
+            self.num_tokens_computed += sum(chunk.num_tokens for chunk in out.chunks)
         except Exception as exc:  # noqa: BLE001 — the computed KV below the step's tokens is intact
             log.exception("the forward failed; failing the requests of this step")
             return self._fail(out, [], f"the forward failed: {exc}")
@@ -239,10 +245,12 @@ class LLMEngine:
             self.transfer.load(job)
         for request_id, block_ids in out.swap_out:
             self._host_kv[request_id] = self.arena.read(block_ids)
+            self.swap_bytes += len(block_ids) * self.arena.block_bytes
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
         for request_id, block_ids in out.swap_in:
             self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
+            self.swap_bytes += len(block_ids) * self.arena.block_bytes
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Copy finished tier loads into the arena (on this thread: never during a forward) and let
@@ -317,7 +325,8 @@ class LLMEngine:
                            len(bm.cached_free), bm.num_blocks, s.num_preemptions,
                            ts.num_blocks_written if ts else 0, dict(s.prefix_hit_tokens_by_tier), self.arena.codec,
                            self.arena.block_bytes, len(s.loading), self.step_tier_io_seconds,
-                           ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0)
+                           ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0,
+                           self.num_tokens_computed, ts.num_blocks_loaded if ts else 0, self.swap_bytes)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
         """Run prompts to completion together; the generated token ids of each (offline use, tests)."""
