@@ -60,10 +60,9 @@ def test_batched_chunked_prefill_matches_running_alone(tiny64, tiny_prompts, alo
     assert run_all(make_engine(tiny64, 64, codec), tiny_prompts) == alone[codec]
 
 
-@pytest.mark.parametrize("preemption", ["swap", "recompute"])
 @pytest.mark.parametrize("codec", CODECS)
-def test_preemption_keeps_outputs(tiny64, tiny_prompts, alone, codec, preemption):
-    engine = make_engine(tiny64, 14, codec, preemption=preemption)  # the 7 requests need ~30 blocks
+def test_preemption_keeps_outputs(tiny64, tiny_prompts, alone, codec):
+    engine = make_engine(tiny64, 14, codec)  # the 7 requests need ~30 blocks
     assert run_all(engine, tiny_prompts) == alone[codec]
     assert engine.stats().num_preemptions > 0
     if codec in ("int4", "int2"):

@@ -46,11 +46,12 @@ def test_plot_is_a_png_with_one_bar_group_per_system(tmp_path):
 
 
 def test_system_names():
-    assert engine_system("kvtier") == (True, "swap", "raw")
-    assert engine_system("kvtier-int4") == (True, "swap", "int4")
-    assert engine_system("device-prefix") == (False, "recompute", "raw")
-    with pytest.raises(ValueError, match="kvtier-int3"):
-        engine_system("kvtier-int3")
+    assert engine_system("kvtier") == (True, "raw")
+    assert engine_system("kvtier-int4") == (True, "int4")
+    assert engine_system("device-prefix") == (False, "raw")
+    for gone in ("kvtier-int3", "kvtier-recompute"):  # one preemption path: no system names it
+        with pytest.raises(ValueError, match=gone):
+            engine_system(gone)
 
 
 def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):

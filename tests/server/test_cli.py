@@ -26,7 +26,7 @@ def test_defaults_are_smollm2_with_dram_and_ssd():
 def test_file_then_flags(tmp_path):
     toml = tmp_path / "serve.toml"
     toml.write_text('model = "tiny"\nport = 9001\ntiers = ["dram:64MiB"]\ndevice-kv-budget = "8MiB"\n')
-    config = ServeConfig.load(toml, port=9002, preemption=None)
+    config = ServeConfig.load(toml, port=9002, max_num_seqs=None)
     assert (config.model, config.port, config.tiers, config.device_kv_budget) == ("tiny", 9002, ["dram:64MiB"], "8MiB")
     yaml = tmp_path / "serve.yaml"
     yaml.write_text("model: tiny\nmax_num_seqs: 4\nkv-codec: int4\n")
@@ -35,7 +35,7 @@ def test_file_then_flags(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("modle = 'tiny'", "unknown serve setting"),
-    ("preemption = 'drop'", "preemption"),
+    ("preemption = 'swap'", "unknown serve setting.*preemption"),  # one preemption path: the setting is gone
     ("device_kv_budget = 'lots'", "lots"),
     ("port = [", "cannot parse"),
     ("kv_codec = 'int3'", "kv_codec"),

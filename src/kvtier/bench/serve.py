@@ -7,16 +7,17 @@ conversation so far (the model's chat template), then waits for the greedy reply
 EOS ignored) and appends it. The device budget holds the KV of only a few conversations.
 
 Systems, each on the same requests:
-- `kvtier`: the engine with the tier stack under it (DRAM, + SSD with `--ssd`) and swap preemption;
-  `kvtier-<codec>` with a quantized device arena; `kvtier-recompute` with recompute preemption (a
-  preempted sequence's full blocks are already in the tiers and are loaded back, not recomputed);
-- `device-prefix`: the same engine with a prefix cache on the device only and recompute
-  preemption (the vLLM-style baseline);
+- `kvtier`: the engine with the tier stack under it (DRAM, + SSD with `--ssd`): a preempted
+  sequence's full blocks come back from the device cache or the tiers, its partial last block is
+  recomputed; `kvtier-<codec>` with a quantized device arena;
+- `device-prefix`: the same engine with a prefix cache on the device only (a preempted sequence's
+  evicted blocks are recomputed: the vLLM-style baseline);
 - `generate`: plain transformers `model.generate` with DynamicCache, one request at a time (FIFO).
 
 Reported per system: TTFT p50/p99 (submit to first token, queueing included), inter-token latency
 p50/mean, output tokens/s over the run's wall time, requests completed, failures, prefix hit
-tokens, and whether every reply equals the `generate` reply (greedy must agree).
+tokens, preemptions, tokens through the forward (recomputation included), KV bytes loaded back from
+the tiers, and whether every reply equals the `generate` reply (greedy must agree).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class SystemResult:
     num_prompt_tokens: int = 0
     step_tier_io_s: float = 0.0     # the engine step thread's time in tier calls
     transfer_s: float = 0.0         # the transfer worker's time in tier loads and stores
+    computed_tokens: int = 0        # tokens through the forward (recomputation included)
+    moved_bytes: int = 0            # KV loaded from the tiers onto the device
 
     def fail(self, exc: BaseException) -> None:
         """Count a failed request; keep the first error's text."""
@@ -81,7 +84,8 @@ class SystemResult:
                 "prompt_tokens": self.num_prompt_tokens,
                 "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
                 "preemptions": self.num_preemptions, "step_tier_io_s": self.step_tier_io_s,
-                "transfer_s": self.transfer_s, "same_text_as_generate": same, "first_error": self.first_error}
+                "transfer_s": self.transfer_s, "computed_tokens": self.computed_tokens,
+                "moved_bytes": self.moved_bytes, "same_text_as_generate": same, "first_error": self.first_error}
 
 
 class TurnClock:
@@ -137,27 +141,24 @@ def _prompt(tokenizer, passage: str, user_messages: list[str], replies: list[str
 
 # -- the engine systems -----------------------------------------------------------------------------
 
-def engine_system(name: str) -> tuple[bool, str, str]:
-    """(with tiers, preemption, resident KV codec) of a system name: "kvtier" (tiers, swap, raw),
-    "kvtier-<codec>" (the same with fp8/int8/int4/int2 resident on the device), "kvtier-recompute"
-    (tiers, recompute preemption: a preempted sequence's full blocks come back from the tiers),
-    "device-prefix" (device prefix cache only, recompute preemption: the vLLM-style baseline)."""
+def engine_system(name: str) -> tuple[bool, str]:
+    """(with tiers, resident KV codec) of a system name: "kvtier" (tiers, raw), "kvtier-<codec>" (the
+    same with fp8/int8/int4/int2 resident on the device), "device-prefix" (device prefix cache only:
+    the vLLM-style baseline)."""
     from kvtier.engine.arena import ARENA_CODECS
 
     if name == "device-prefix":
-        return False, "recompute", "raw"
-    if name == "kvtier-recompute":
-        return True, "recompute", "raw"
+        return False, "raw"
     base, _, codec = name.partition("-")
     if base == "kvtier" and (codec or "raw") in ARENA_CODECS:
-        return True, "swap", codec or "raw"
+        return True, codec or "raw"
     raise ValueError(f"unknown system {name!r}: use generate, kvtier, kvtier-<{'|'.join(ARENA_CODECS[1:])}>, "
-                     "kvtier-recompute, device-prefix")
+                     "device-prefix")
 
 
 @contextlib.contextmanager
 def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, tier_specs: list[str],
-                   preemption: str, kv_codec: str = "raw", max_num_seqs: int = 32):
+                   kv_codec: str = "raw", max_num_seqs: int = 32):
     """A started AsyncEngine (+ its tier stack) and the SystemResult it fills; stats on exit."""
     from kvtier.codecs import get_codec
     from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine
@@ -166,7 +167,7 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
     layout = loaded.kv_layout(block_tokens)
     manager = build_manager(tier_specs, slot_bytes=get_codec("raw").max_encoded_bytes(layout)) if tier_specs else None
     engine = LLMEngine(loaded, EngineConfig(device_kv_budget_bytes=budget_bytes, block_tokens=block_tokens,
-                                            preemption=preemption, max_prefill_tokens=512,
+                                            max_prefill_tokens=512,
                                             kv_codec=kv_codec, max_num_seqs=max_num_seqs), manager)
     async_engine = AsyncEngine(engine)
     async_engine.start()
@@ -182,6 +183,8 @@ def _engine_system(loaded, name: str, *, budget_bytes: int, block_tokens: int, t
         result.num_preemptions = stats.num_preemptions
         result.step_tier_io_s = stats.step_tier_io_seconds
         result.transfer_s = stats.transfer_load_seconds + stats.transfer_store_seconds
+        result.computed_tokens = stats.num_tokens_computed
+        result.moved_bytes = stats.num_blocks_loaded_from_tiers * layout.block_bytes
         if manager is not None:
             manager.close()
 
@@ -202,14 +205,13 @@ async def _request(async_engine, result: SystemResult, key, ids: list[int], samp
 
 
 def run_engine(loaded, convs, w: Workload, *, name: str, budget_bytes: int, block_tokens: int,
-               tier_specs: list[str], preemption: str, kv_codec: str = "raw") -> SystemResult:
+               tier_specs: list[str], kv_codec: str = "raw") -> SystemResult:
     from kvtier.engine import SamplingParams
 
     sampling = SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
     # at most one request per user runs at a time: max_num_seqs = users (KIVI reserves an open block each)
     with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
-                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec,
-                        max_num_seqs=w.num_users) as (async_engine, result):
+                        tier_specs=tier_specs, kv_codec=kv_codec, max_num_seqs=w.num_users) as (async_engine, result):
         async def user(u: int, passage: str, user_messages: list[str]) -> None:
             replies: list[str] = []
             for turn in range(len(user_messages)):
@@ -263,11 +265,11 @@ def trace_requests(path, *, num_requests: int = 32, block_tokens: int = 16, max_
 
 
 def run_engine_trace(loaded, reqs: list[TraceRequest], *, name: str, budget_bytes: int, block_tokens: int,
-                     tier_specs: list[str], preemption: str, kv_codec: str = "raw") -> SystemResult:
+                     tier_specs: list[str], kv_codec: str = "raw") -> SystemResult:
     from kvtier.engine import SamplingParams
 
     with _engine_system(loaded, name, budget_bytes=budget_bytes, block_tokens=block_tokens,
-                        tier_specs=tier_specs, preemption=preemption, kv_codec=kv_codec) as (async_engine, result):
+                        tier_specs=tier_specs, kv_codec=kv_codec) as (async_engine, result):
         async def one(i: int, r: TraceRequest, t0: float) -> None:
             await asyncio.sleep(max(0.0, t0 + r.arrival_s - time.perf_counter()))
             await _request(async_engine, result, (i, 0), r.token_ids,
@@ -374,10 +376,10 @@ def run_trace(*, model: str = "smollm2", num_requests: int = 32, trace_start: in
         if name == "generate":
             results[name] = run_generate_trace(loaded, reqs)
         else:
-            tiered, preemption, kv_codec = engine_system(name)
+            tiered, kv_codec = engine_system(name)
             results[name] = run_engine_trace(
                 loaded, reqs, name=name, budget_bytes=budget, block_tokens=block_tokens,
-                tier_specs=[f"dram:{dram}"] if tiered else [], preemption=preemption, kv_codec=kv_codec)
+                tier_specs=[f"dram:{dram}"] if tiered else [], kv_codec=kv_codec)
     reference = results.get("generate")
     return [r.row(reference if r is not reference else None) for r in results.values()]
 
@@ -404,10 +406,10 @@ def run(workload: Workload | None = None, *, model: str = "smollm2", device_kv_b
             if name == "generate":
                 results[name] = run_generate(loaded, convs, w)
             else:
-                tiered, preemption, kv_codec = engine_system(name)
+                tiered, kv_codec = engine_system(name)
                 results[name] = run_engine(loaded, convs, w, name=name, budget_bytes=budget,
                                            block_tokens=block_tokens, tier_specs=tiers if tiered else [],
-                                           preemption=preemption, kv_codec=kv_codec)
+                                           kv_codec=kv_codec)
     reference = results.get("generate")
     return [r.row(reference if r is not reference else None) for r in results.values()]
 
@@ -477,9 +479,9 @@ def print_rows(rows: list[dict], as_json: bool, table=None) -> None:
 
 def render(rows: list[dict]) -> str:
     lines = ["| system | requests | failed | TTFT p50 | TTFT p99 | ITL p50 | ITL mean | tokens/s | wall | "
-             "prompt tokens | cached tokens by tier | preemptions | step-thread tier I/O | transfer worker | "
-             "same text as generate |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "prompt tokens | cached tokens by tier | preemptions | computed tokens | KV loaded | "
+             "step-thread tier I/O | transfer worker | same text as generate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cached = ", ".join(f"{k}: {v}" for k, v in r["cached_tokens_by_tier"].items()) or "–"
         same = {None: "(reference)", True: "yes", False: "NO"}[r["same_text_as_generate"]]
@@ -487,6 +489,7 @@ def render(rows: list[dict]) -> str:
                      f"{r['ttft_p99_s'] * 1000:,.0f} ms | {r['itl_p50_s'] * 1000:,.0f} ms | "
                      f"{r['itl_mean_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | {r['wall_s']:.1f} s | "
                      f"{r['prompt_tokens']:,} | {cached} | {r['preemptions']} | "
+                     f"{r.get('computed_tokens', 0):,} | {r.get('moved_bytes', 0) / 1e6:,.1f} MB | "
                      f"{r.get('step_tier_io_s', 0.0):.2f} s | {r.get('transfer_s', 0.0):.2f} s | {same} |")
     return "\n".join(lines)
 

@@ -210,7 +210,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
             if name == "kvtier-serve":
                 budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
                 args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,
-                            tier_specs=["dram:2GiB"], preemption="swap")
+                            tier_specs=["dram:2GiB"])
                 results[name] = (serve.run_engine_trace(loaded, reqs, **args) if trace
                                  else serve.run_engine(loaded, convs, w, **args))
                 continue

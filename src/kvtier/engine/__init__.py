@@ -1,5 +1,6 @@
 """The serving engine: a paged device KV arena on a fixed byte budget, continuous batching,
-prefix reuse across the device and the tiers, and swap preemption to host memory."""
+prefix reuse across the device and the tiers, and preemption that finds a sequence's full blocks
+there again (only its partial last block is recomputed)."""
 
 from kvtier.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from kvtier.engine.engine import ContextLengthError, EngineConfig, EngineStats, LLMEngine, RequestOutput

@@ -12,18 +12,16 @@
   `max_num_seqs` such open blocks.
 
 One class per format: `RawArena`, `PerTokenArena` (fp8, int8), `KiviArena` (int4, int2); the
-quantized two share `QuantArena` (parts, plan, swaps) and `TokenQuantizer` (per-token layout). The
-quantizers are `kvtier.codecs.quant`'s; the arena only lays their codes and scales out in
-block slots. Every arena offers the same operations to the runner and the attention: `write` the
-new tokens of a step, `gather` a sequence's context at full precision, `end_step`, and whole-block
-copies for swapping (`read`/`write_copy`, the stored representation, so a swap is bit-exact) and
-for the tiers (`block_tensor`/`write_block`, full precision).
+quantized two share `QuantArena` (parts, plan, whole blocks) and `TokenQuantizer` (per-token
+layout). The quantizers are `kvtier.codecs.quant`'s; the arena only lays their codes and scales
+out in block slots. Every arena offers the same operations to the runner and the attention:
+`write` the new tokens of a step, `gather` a sequence's context at full precision, `end_step`,
+and whole-block copies for the tiers (`block_tensor`/`write_block`, full precision).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 import torch
@@ -143,17 +141,6 @@ class RawArena:
     def prune(self, is_live) -> None:
         pass
 
-    def read(self, block_ids: list[int]) -> torch.Tensor:
-        """The stored form of the blocks, on the host: [L, 2, n, H, T, D]."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return torch.stack([self.k_cache[:, index], self.v_cache[:, index]], dim=1).to("cpu")
-
-    def write_copy(self, block_ids: list[int], copy: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        copy = copy.to(self.device, non_blocking=True)
-        self.k_cache[:, index] = copy[:, 0]
-        self.v_cache[:, index] = copy[:, 1]
-
     def block_tensor(self, block_id: int) -> torch.Tensor:
         """One full block at the model's dtype, [L, 2, H, T, D] on the CPU (for a tier codec)."""
         return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
@@ -169,14 +156,6 @@ class RawArena:
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.k_cache[:, block_id] = kv[:, 0]
         self.v_cache[:, block_id] = kv[:, 1]
-
-
-@dataclass(slots=True)
-class QuantCopy:
-    """Swapped-out blocks of a quantized arena: their stored tensors, and open blocks' staging."""
-
-    parts: dict[str, torch.Tensor]
-    staging: dict[int, torch.Tensor] = field(default_factory=dict)  # index in the copy -> [L, 2, H, T, D]
 
 
 class TokenQuantizer:
@@ -222,8 +201,8 @@ class TokenQuantizer:
 class QuantArena:
     """What the quantized formats share: parts `[L, H, num_blocks, ...]` (head-major, so a sequence's
     blocks gather with one `index_select` on the block axis straight into `[H, blocks × T, ...]`),
-    the step's plan (the union of blocks read, dequantized once per layer), swaps of the stored form,
-    and full-precision whole blocks for the tiers. A format says how it writes tokens (`write`), which
+    the step's plan (the union of blocks read, dequantized once per layer), and full-precision whole
+    blocks for the tiers. A format says how it writes tokens (`write`), which
     of a sequence's blocks are read dequantized (`_planned`), how queries group (`_groups`), and how a
     whole block is stored (`write_block`) and read back (`_dequantize`)."""
 
@@ -310,23 +289,6 @@ class QuantArena:
         pass
 
     # -- whole blocks ------------------------------------------------------------------------------
-    def read(self, block_ids: list[int]) -> QuantCopy:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        parts = {name: p.index_select(2, index).to("cpu") for name, p in self.parts.items()}
-        # copy=True: on a CPU-only machine .to("cpu") would alias the staging buffer, which a new owner reuses
-        staging = {i: torch.stack(self.staging[b]).to("cpu", copy=True) for i, b in enumerate(block_ids)
-                   if b in self.staging and all(x is not None for x in self.staging[b])}
-        return QuantCopy(parts, staging)
-
-    def write_copy(self, block_ids: list[int], copy: QuantCopy) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for name, p in self.parts.items():
-            p[:, :, index] = copy.parts[name].to(self.device)
-        for i, block_id in enumerate(block_ids):
-            self.staging.pop(block_id, None)
-            if i in copy.staging:
-                self.staging[block_id] = list(copy.staging[i].to(self.device).unbind(0))
-
     def block_tensor(self, block_id: int) -> torch.Tensor:
         """One full block dequantized to the model's dtype, [L, 2, H, T, D] on the CPU."""
         index = torch.tensor([block_id], dtype=torch.long, device=self.device)

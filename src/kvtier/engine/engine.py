@@ -6,10 +6,12 @@ and write runs on the transfer worker (`engine/transfer.py`). Each block goes do
 it is full and computed (`tier_writes="full"`, so another server sharing a pool sees a prefix while
 this one still holds it), or when the device evicts it (`"evict"`); prefix blocks come back up while
 their sequence waits in WAITING_FOR_KV, and `step()` polls the finished loads into the arena.
+A preempted sequence takes the same way back: its full blocks are in the device cache or the
+tiers, its partial last block is recomputed (no host memory besides the DRAM tier's).
 
 One request never breaks the others: a sequence that cannot be sampled, admitted or moved finishes
 with finish_reason "error" (`RequestOutput.error` says why) and the step goes on without it; a
-failed forward fails the sequences of that step only (waiting and swapped ones are untouched).
+failed forward fails the sequences of that step only (waiting ones are untouched).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
 from kvtier.engine.arena import ARENA_CODECS, KVFormat, make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
-from kvtier.engine.scheduler import Preemption, Scheduler, SchedulerOutput
+from kvtier.engine.scheduler import Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 from kvtier.engine.transfer import KVTransfer
 
@@ -50,9 +51,7 @@ class EngineConfig:
     block_tokens: int = 256
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512   # chunked prefill: prompt tokens computed per step, all sequences together
-    preemption: Preemption = "swap"  # "swap" to host memory; "recompute" is the baseline
     prefix_caching: bool = True
-    host_swap_bytes: int = 4096 * _MiB
     codec: str = "raw"              # how blocks are written to the tiers
     tier_writes: TierWrites = "full"  # "full": each block as soon as it is computed; "evict": when the device evicts it
     kv_codec: KVFormat = "raw"      # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
@@ -60,8 +59,6 @@ class EngineConfig:
     synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
 
     def __post_init__(self) -> None:
-        if self.preemption not in get_args(Preemption):
-            raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
         if self.tier_writes not in get_args(TierWrites):
             raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
@@ -87,7 +84,6 @@ class RequestOutput:
 class EngineStats:
     num_running: int
     num_waiting: int
-    num_swapped: int
     num_device_blocks_used: int     # used by sequences (cached-free blocks not counted)
     num_device_blocks_cached: int   # free but holding a cached prefix block
     num_device_blocks_total: int
@@ -100,6 +96,8 @@ class EngineStats:
     step_tier_io_seconds: float = 0.0   # the step thread's time in tier calls (matches); the rest is on the worker
     transfer_load_seconds: float = 0.0  # the transfer worker's time loading (read, verify, decode)
     transfer_store_seconds: float = 0.0  # ... and storing (check, encode, put)
+    num_tokens_computed: int = 0    # tokens through the forward (prompts, recomputed prefixes, decodes)
+    num_blocks_loaded_from_tiers: int = 0   # prefixes of new requests and of preempted ones
 
 
 class LLMEngine:
@@ -121,15 +119,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, space,
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            preemption=config.preemption, host_swap_blocks=config.host_swap_bytes // self.arena.block_bytes,
             max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None)
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
         self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
                                     synchronous=config.synchronous_transfers) if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
-        self._host_kv: dict[str, object] = {}  # swapped-out KV in the arena's stored form, on the host
         self.step_tier_io_seconds = 0.0
+        self.num_tokens_computed = 0
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -184,7 +181,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def running_request_ids(self) -> list[str]:
-        """The requests that can be in the next step (admitted, not swapped)."""
+        """The requests that can be in the next step (admitted, their KV on the device)."""
         return [seq.request_id for seq in self.scheduler.running]
 
     # -- one step --------------------------------------------------------------------------------
@@ -213,37 +210,29 @@ class LLMEngine:
             self._move_blocks(out)
         except Exception as exc:  # noqa: BLE001
             log.exception("moving KV blocks failed; failing the requests of this step")
-            # blocks registered before their KV was copied in (swap-ins) may hold anything; tier loads
-            # were handed to the transfer worker first and register only once written (_finish_loads)
-            for block_id in [b for _, ids in out.swap_in for b in ids]:
-                if self.block_manager.ref_counts[block_id] > 0:
-                    self.block_manager.unregister(block_id)
-            return self._fail(out, [r for r, _ in out.swap_out + out.swap_in], f"moving KV blocks failed: {exc}")
+            # tier loads were handed to the transfer worker first and register only once written (_finish_loads)
+            return self._fail(out, f"moving KV blocks failed: {exc}")
         try:
             run = self.runner.run(out.chunks) if out.chunks else RunOutput()
+            self.num_tokens_computed += sum(chunk.num_tokens for chunk in out.chunks)
         except Exception as exc:  # noqa: BLE001 — the computed KV below the step's tokens is intact
             log.exception("the forward failed; failing the requests of this step")
-            return self._fail(out, [], f"the forward failed: {exc}")
+            return self._fail(out, f"the forward failed: {exc}")
         return self.scheduler.postprocess(out, run.token_ids, run.errors)
 
-    def _fail(self, out: SchedulerOutput, request_ids: list[str], error: str) -> list[Sequence]:
-        """Finish the step's sequences (and `request_ids`) with an error."""
-        request_ids = [chunk.seq.request_id for chunk in out.chunks] + request_ids
+    def _fail(self, out: SchedulerOutput, error: str) -> list[Sequence]:
+        """Finish the step's sequences with an error."""
+        request_ids = [chunk.seq.request_id for chunk in out.chunks]
         failed = [self.scheduler.fail(request_id, error) for request_id in dict.fromkeys(request_ids)]
         return [seq for seq in failed if seq is not None]
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
-        # every read of a block comes before any write to one (a block freed by a swap-out or evicted
-        # may be reallocated in the same step). Tier loads only read the tiers now; their blocks are
-        # written by a later step's _finish_loads, after this step's copies out.
+        # an evicted block is copied out before the forward writes into its slot (reallocated this step).
+        # Tier loads only read the tiers now; their blocks are written by a later step's _finish_loads.
         for job in out.loads:
             self.transfer.load(job)
-        for request_id, block_ids in out.swap_out:
-            self._host_kv[request_id] = self.arena.read(block_ids)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
-        for request_id, block_ids in out.swap_in:
-            self.arena.write_copy(block_ids, self._host_kv.pop(request_id))
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Let the scheduler run the sequences whose tier loads finished. Blocks the worker returned
@@ -288,7 +277,6 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
-        self._host_kv.pop(request_id, None)
         self.runner.forget(request_id)
 
     # -- tiers and introspection -------------------------------------------------------------------
@@ -314,11 +302,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
         ts = self.transfer.stats if self.transfer is not None else None
-        return EngineStats(len(s.running), len(s.waiting), len(s.swapped), bm.num_used_blocks,
+        return EngineStats(len(s.running), len(s.waiting), bm.num_used_blocks,
                            len(bm.cached_free), bm.num_blocks, s.num_preemptions,
                            ts.num_blocks_written if ts else 0, dict(s.prefix_hit_tokens_by_tier), self.arena.codec,
                            self.arena.block_bytes, len(s.loading), self.step_tier_io_seconds,
-                           ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0)
+                           ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0,
+                           self.num_tokens_computed, ts.num_blocks_loaded if ts else 0)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
         """Run prompts to completion together; the generated token ids of each (offline use, tests)."""

@@ -2,7 +2,7 @@
 
 Reads only what the scheduler hands it (`ScheduledChunk`s with their sequences' block tables);
 never decides anything. The KV lives in an arena (`kvtier.engine.arena`, raw or quantized); the
-engine copies blocks in and out of it (swaps, tiers) directly.
+engine copies blocks in and out of it (tier loads and stores) directly.
 """
 
 from __future__ import annotations

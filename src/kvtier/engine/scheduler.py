@@ -1,15 +1,14 @@
 """Continuous batching: who runs this step, how many of their tokens, and what moves where.
 
 Each step, in this order: running sequences that decode get one token each (a sequence that needs
-a new block and finds none preempts the youngest running sequence — swapping its KV to host memory,
-or, as the baseline, dropping it to recompute later); running sequences still in prefill get a
-chunk of the prefill token budget; swapped sequences come back when their blocks fit again; then
-waiting requests are admitted, FIFO. Admission reuses the longest prefix found on the device, then
-asks the tiers which of the next blocks they hold (`match_tiers`: one batched lookup per tier, no
-data moved). With tier hits the sequence gets device blocks for them and waits in WAITING_FOR_KV
-while the engine's transfer worker loads them (a `LoadJob` in the output); `finish_load` registers
-what arrived and makes it RUNNING, so only the uncached rest is computed. The scheduler never waits
-on a tier read.
+a new block and finds none preempts the youngest running sequence, see `_preempt`); running
+sequences still in prefill get a chunk of the prefill token budget; then waiting requests are
+admitted, FIFO (a preempted sequence first). Admission reuses the longest prefix found on the
+device, then asks the tiers which of the next blocks they hold (`match_tiers`: one batched lookup
+per tier, no data moved). With tier hits the sequence gets device blocks for them and waits in
+WAITING_FOR_KV while the engine's transfer worker loads them (a `LoadJob` in the output);
+`finish_load` registers what arrived and makes it RUNNING, so only the uncached rest is computed.
+The scheduler never waits on a tier read.
 
 The scheduler only decides; the engine carries out the `SchedulerOutput` (copies, tier transfers,
 the forward) and hands the sampled tokens back to `postprocess`.
@@ -20,7 +19,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 from kvtier.blocks import KeySpace, block_keys, chain_key
 from kvtier.engine.block_manager import BlockManager
@@ -31,7 +29,6 @@ from kvtier.tiers.manager import PrefixMatch
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
 
-Preemption = Literal["swap", "recompute"]  # to host memory, or dropped and recomputed (reloaded from the tiers)
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
 
@@ -44,31 +41,24 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What the engine must do this step. Reads (swap_out, evicted) come before writes (swap_in, loads, forward)."""
+    """What the engine must do this step. Reads (evicted blocks copied out) come before writes (the forward)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)   # (request id, block ids) -> host
     evicted: list[tuple[bytes, int]] = field(default_factory=list)        # cached blocks to write to the tiers
-    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)    # host -> (request id, block ids)
     loads: list[LoadJob] = field(default_factory=list)                    # tier blocks -> device blocks (async)
-    recomputed: list[str] = field(default_factory=list)                   # request ids preempted by recompute
+    preempted: list[str] = field(default_factory=list)                    # request ids sent back to waiting
     failed: list[Sequence] = field(default_factory=list)                  # refused at admission (finished: error)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
-                 max_prefill_tokens: int = 512, preemption: Preemption = "swap", host_swap_blocks: int = 0,
-                 max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
+                 max_prefill_tokens: int = 512, max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None) -> None:
-        if preemption not in get_args(Preemption):
-            raise ValueError(f"preemption must be 'swap' or 'recompute', got {preemption!r}")
         self.block_manager = block_manager
         self.space = space
         self.block_tokens = space.layout.block_tokens
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.preemption = preemption
-        self.host_swap_blocks = host_swap_blocks
         self.max_model_tokens = max_model_tokens
         self.eos_token_ids = set(eos_token_ids)
         self.prefix_caching = prefix_caching
@@ -79,8 +69,6 @@ class Scheduler:
         # them, so they go back to the free list only when the load returns (finish_load)
         self._orphaned_loads: dict[str, list[int]] = {}
         self.running: list[Sequence] = []
-        self.swapped: deque[Sequence] = deque()
-        self.num_swapped_blocks = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens_by_tier: dict[str, int] = {}
         self._newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since `take_newly_full`
@@ -108,7 +96,7 @@ class Scheduler:
             del seq.block_ids[first:first + seq.num_loading_blocks]
             self._finish(seq, reason)
             return seq
-        for queue in (self.waiting, self.running, self.swapped):
+        for queue in (self.waiting, self.running):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
@@ -117,7 +105,7 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self.loading)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_active(self) -> int:
@@ -135,10 +123,8 @@ class Scheduler:
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
-        if not out.swap_out and not out.recomputed:
-            self._swap_in(out)
-            if not self.swapped:
-                self._admit_waiting(out, budget)
+        if not out.preempted:  # a sequence just preempted is not readmitted into the blocks it freed
+            self._admit_waiting(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> set[Sequence]:
@@ -175,40 +161,20 @@ class Scheduler:
         return block_id
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Send `seq` back to the front of the queue, its blocks released, its generated tokens now part
+        of its prompt. Its full blocks keep their keys in the device cache (cached-free) until evicted,
+        and are in the tiers by then (written when full, or copied out on eviction), so readmission finds
+        them on the device or loads them; the partial last block is recomputed (and, without tiers, what
+        the device evicted meanwhile)."""
         self.running.remove(seq)
         self.num_preemptions += 1
-        num_data_blocks = -(-seq.num_computed_tokens // self.block_tokens)
-        if self.preemption == "swap" and self.num_swapped_blocks + num_data_blocks <= self.host_swap_blocks:
-            out.swap_out.append((seq.request_id, seq.block_ids[:num_data_blocks]))
-            seq.num_swapped_blocks = num_data_blocks
-            self.num_swapped_blocks += num_data_blocks
-            seq.status = SeqStatus.SWAPPED
-            self.swapped.append(seq)
-        else:  # recompute: its full blocks stay findable in the device cache until evicted
-            out.recomputed.append(seq.request_id)
-            seq.num_computed_tokens = 0
-            seq.block_keys = []
-            seq.status = SeqStatus.WAITING
-            self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+        seq.num_computed_tokens = 0
+        seq.block_keys = []
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
         self.block_manager.release(seq.block_ids)
         seq.block_ids = []
-
-    def _swap_in(self, out: SchedulerOutput) -> None:
-        while self.swapped and self.num_active < self.max_num_seqs:
-            seq = self.swapped[0]
-            # keep a block per running sequence in reserve so the next decodes do not preempt it again
-            num_blocks = -(-seq.num_tokens // self.block_tokens)
-            if not self.block_manager.can_allocate(num_blocks + self.num_active):
-                return
-            self.swapped.popleft()
-            seq.block_ids = [self._allocate(out) for _ in range(num_blocks)]
-            out.swap_in.append((seq.request_id, seq.block_ids[:seq.num_swapped_blocks]))
-            self.num_swapped_blocks -= seq.num_swapped_blocks
-            seq.num_swapped_blocks = 0
-            for block_id, key in zip(seq.block_ids, seq.block_keys if self.prefix_caching else []):
-                self.block_manager.register(block_id, key)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)  # scheduled from the next step on, after its KV is back
 
     # -- admission -------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -238,7 +204,7 @@ class Scheduler:
         device_ids = bm.match_prefix(keys[:usable]) if self.prefix_caching else []
         num_needed = -(-seq.num_tokens // block_tokens) - len(device_ids)
         num_revived = sum(1 for b in device_ids if bm.ref_counts[b] == 0)
-        # keep a block per running sequence in reserve for their next decode
+        # keep a block per active sequence in reserve for their next decode
         if bm.num_free_blocks - num_revived < num_needed + self.num_active:
             return False
         match = None
@@ -346,9 +312,6 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if seq.status is SeqStatus.SWAPPED:
-            self.num_swapped_blocks -= seq.num_swapped_blocks
-            seq.num_swapped_blocks = 0
         self.block_manager.release(seq.block_ids)
         seq.block_ids = []
         seq.status = SeqStatus.FINISHED

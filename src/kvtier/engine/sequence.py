@@ -34,10 +34,9 @@ class SamplingParams:
 
 
 class SeqStatus(enum.Enum):
-    WAITING = "waiting"    # not admitted, or preempted by recompute
+    WAITING = "waiting"    # not admitted, or preempted (its blocks released; its prefix found again at readmission)
     WAITING_FOR_KV = "waiting_for_kv"  # holds device blocks; its cached prefix is being loaded from the tiers
     RUNNING = "running"    # holds device blocks
-    SWAPPED = "swapped"    # its KV is in host memory
     FINISHED = "finished"
 
 
@@ -54,7 +53,6 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # keys of the full, computed blocks (a prefix of block_ids)
     num_cached_tokens: int = 0        # prompt tokens found cached at (first) admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    num_swapped_blocks: int = 0       # blocks of KV held on the host while SWAPPED
     num_loading_blocks: int = 0       # blocks the transfer worker is filling while WAITING_FOR_KV
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None          # why it failed (finish_reason "error")

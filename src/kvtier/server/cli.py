@@ -23,8 +23,7 @@ def build_app(config):
     engine = LLMEngine(loaded, EngineConfig(
         device_kv_budget_bytes=parse_bytes(config.device_kv_budget), block_tokens=config.block_tokens,
         max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-        preemption=config.preemption, prefix_caching=config.prefix_caching,
-        host_swap_bytes=parse_bytes(config.host_swap), codec=config.codec, kv_codec=config.kv_codec,
+        prefix_caching=config.prefix_caching, codec=config.codec, kv_codec=config.kv_codec,
         tier_writes=config.tier_writes,
         max_model_tokens=config.max_model_tokens), manager)
 
@@ -59,8 +58,6 @@ def register(app: typer.Typer) -> None:
                                                    "(when the device evicts it) [full]"),
         max_num_seqs: int = typer.Option(None, help="running sequences at most [32]"),
         max_prefill_tokens: int = typer.Option(None, help="prompt tokens computed per step (chunked prefill) [512]"),
-        preemption: str = typer.Option(None, help="swap (to host memory) or recompute [swap]"),
-        host_swap: str = typer.Option(None, help="host memory for swapped sequences [4GiB]"),
         max_model_tokens: int = typer.Option(None, help="context limit [the model's]"),
         record_trace: str = typer.Option(None, help="append each finished request to this JSONL in the Mooncake "
                                                     "trace format, for `kvtier simulate`"),
@@ -75,7 +72,7 @@ def register(app: typer.Typer) -> None:
                                   tiers=[] if no_tiers else (list(tier or []) or None), codec=codec, kv_codec=kv_codec,
                                   tier_writes=tier_writes,
                                   max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
-                                  preemption=preemption, host_swap=host_swap, max_model_tokens=max_model_tokens,
+                                  max_model_tokens=max_model_tokens,
                                   record_trace=record_trace)
         app_ = build_app(config)
         print(f"kvtier serve: http://{config.host}:{config.port}/v1 (dashboard: /dashboard)", flush=True)

@@ -30,15 +30,11 @@ class ServeConfig:
     tier_writes: str = "full"            # blocks go to the tiers when full ("full") or when evicted ("evict")
     max_num_seqs: int = 32
     max_prefill_tokens: int = 512
-    preemption: str = "swap"
-    host_swap: str = "4GiB"
     prefix_caching: bool = True
     max_model_tokens: int | None = None
     record_trace: str | None = None      # append finished requests to this JSONL (Mooncake trace format)
 
     def __post_init__(self) -> None:
-        if self.preemption not in ("swap", "recompute"):
-            raise UserError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
         if not 0 < self.port < 65536:
             raise UserError(f"port must be 1-65535, got {self.port}")
         for name in ("block_tokens", "max_num_seqs", "max_prefill_tokens"):
@@ -51,7 +47,6 @@ class ServeConfig:
         if self.kv_codec not in ARENA_CODECS:
             raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         parse_bytes(self.device_kv_budget)
-        parse_bytes(self.host_swap)
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides) -> "ServeConfig":

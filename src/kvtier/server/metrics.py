@@ -62,7 +62,6 @@ class EngineView:
 
     num_running: int = 0
     num_waiting: int = 0
-    num_swapped: int = 0
     num_device_blocks_used: int = 0
     num_device_blocks_cached: int = 0
     num_device_blocks_total: int = 0
@@ -196,7 +195,6 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
     for name, help_, value in (
         ("kvtier_requests_running", "Requests in the running batch", engine.num_running),
         ("kvtier_requests_waiting", "Requests waiting for admission", engine.num_waiting),
-        ("kvtier_requests_swapped", "Requests preempted and swapped to host memory", engine.num_swapped),
         ("kvtier_requests_waiting_for_kv", "Requests admitted whose cached prefix is being loaded from the tiers",
          engine.num_waiting_for_kv),
         ("kvtier_device_blocks_used", "Device KV blocks held by sequences", engine.num_device_blocks_used),
