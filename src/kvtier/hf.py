@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeySpace, KVLayout, block_keys, key_codec
 from kvtier.codecs import get_codec
+from kvtier.codecs.codec import byte_array
 
 _MIN_CAPACITY_TOKENS = 256
 
@@ -51,13 +52,13 @@ class _BlockCopier:
 
     def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.buffers = buffers
-        self.np_views = [tuple(_byte_array(buf[0]) for buf in pair) for pair in buffers] \
+        self.np_views = [tuple(byte_array(buf[0]) for buf in pair) for pair in buffers] \
             if all(buf.device.type == "cpu" for pair in buffers for buf in pair) else None
 
     def __call__(self, block: torch.Tensor, start: int) -> None:
         end = start + block.shape[3]
         if self.np_views is not None and block.device.type == "cpu" and block.dtype == self.buffers[0][0].dtype:
-            src = _byte_array(block)
+            src = byte_array(block)
             for layer_idx, (k_np, v_np) in enumerate(self.np_views):
                 k_np[:, start:end] = src[layer_idx, 0]
                 v_np[:, start:end] = src[layer_idx, 1]
@@ -65,11 +66,6 @@ class _BlockCopier:
         for layer_idx, (k_buf, v_buf) in enumerate(self.buffers):
             k_buf[0, :, start:end].copy_(block[layer_idx, 0], non_blocking=True)
             v_buf[0, :, start:end].copy_(block[layer_idx, 1], non_blocking=True)
-
-
-def _byte_array(tensor: torch.Tensor):
-    """A numpy uint8 view of a CPU tensor whose last dim is contiguous (any dtype, bf16 included)."""
-    return tensor.view(torch.uint8).numpy()
 
 
 class TieredLayer(DynamicLayer):

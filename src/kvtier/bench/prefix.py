@@ -128,18 +128,24 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
     return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / min(loads) / 1e9)
 
 
+def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
+    """The keys of the prompt's full blocks before its last token: what a cached request restores."""
+    from kvtier.blocks import block_keys
+
+    space = TieredCache.for_model(loaded, block_tokens=block_tokens).space
+    return block_keys(space, ids[0, :(ids.shape[1] - 1) // block_tokens * block_tokens].tolist())
+
+
 def measure_arena_restore(loaded, manager, ids: torch.Tensor, repeats: int, block_tokens: int,
                           before_each=None) -> float:
     """The engine's restore of the same prefix: `KVTransfer` streams the verified blocks from the tier
     into a paged `RawArena` (allocated once and zeroed, as the engine's is). GB/s, median; the first
     block is checked to hold exactly what the tier stored."""
-    from kvtier.blocks import block_keys
     from kvtier.codecs import get_codec
     from kvtier.engine.arena import RawArena
     from kvtier.engine.transfer import KVTransfer, LoadJob
 
-    space = TieredCache.for_model(loaded, manager, block_tokens=block_tokens).space
-    keys = block_keys(space, ids[0, :(ids.shape[1] - 1) // block_tokens * block_tokens].tolist())
+    keys = _prefix_keys(loaded, ids, block_tokens)
     layout = loaded.kv_layout(block_tokens)
     arena = RawArena(layout, len(keys), torch.device("cpu"))
     codec = get_codec("raw")
@@ -192,12 +198,8 @@ def raw_file_read_gb_s(directory: Path, num_bytes: int, repeats: int) -> float:
 
 def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, repeats: int) -> float:
     """The backend's own batched get (Mooncake get_batch / Redis MGET) of the very blocks restored."""
-    from kvtier.blocks import block_keys
-
     tier = manager.tiers[0]
-    space = TieredCache.for_model(loaded, manager, block_tokens=block_tokens).space
-    usable = (ids.shape[1] - 1) // block_tokens
-    names = tier._names(block_keys(space, ids[0, :usable * block_tokens].tolist()))
+    names = tier._names(_prefix_keys(loaded, ids, block_tokens))
     times, num_bytes = [], 0
     for _ in range(repeats):
         start = time.perf_counter()

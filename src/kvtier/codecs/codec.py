@@ -97,10 +97,16 @@ def _check_kv(kv: torch.Tensor) -> str:
     return dtype
 
 
+def byte_array(tensor: torch.Tensor):
+    """A numpy uint8 view of a CPU tensor whose last dim is contiguous (any dtype, bf16/fp8 included):
+    what a plain single-threaded memcpy of KV copies between."""
+    return tensor.view(torch.uint8).numpy()
+
+
 def _byte_view(part: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16/fp8 included)."""
     assert part.device.type == "cpu" and part.is_contiguous(), (part.device, part.stride())
-    return memoryview(part.view(torch.uint8).numpy()).cast("B")
+    return memoryview(byte_array(part)).cast("B")
 
 
 def frombuffer(payload: memoryview | bytes) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import quant
+from kvtier.codecs.codec import byte_array
 
 KVFormat = Literal["raw", "fp8", "int8", "int4", "int2"]  # the device arena's formats
 ARENA_CODECS: tuple[str, ...] = get_args(KVFormat)
@@ -103,8 +104,8 @@ class RawArena:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=device)
         if self.k_cache.device.type == "cpu":  # byte views for write_block's memcpy
-            self._k_bytes = self.k_cache.view(torch.uint8).numpy()
-            self._v_bytes = self.v_cache.view(torch.uint8).numpy()
+            self._k_bytes = byte_array(self.k_cache)
+            self._v_bytes = byte_array(self.v_cache)
 
     @property
     def block_bytes(self) -> int:
@@ -149,7 +150,7 @@ class RawArena:
         if self.device.type == kv.device.type == "cpu" and kv.dtype == self.dtype and kv.is_contiguous():
             # a plain single-threaded memcpy: the transfer worker calls this beside a forward that
             # uses every core through torch's own threads
-            src = kv.view(torch.uint8).numpy()
+            src = byte_array(kv)
             self._k_bytes[:, block_id] = src[:, 0]
             self._v_bytes[:, block_id] = src[:, 1]
             return

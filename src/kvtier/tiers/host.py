@@ -61,48 +61,43 @@ class HostTier:
         with self._lock:
             return [key in self._key_to_slot for key in keys]
 
+    def _slot(self, slot: int) -> np.ndarray:
+        offset = slot * self.slot_bytes
+        return self._arena_np[offset:offset + self._slot_len[slot]]
+
     def _read(self, slot: int) -> bytes:
-        start = slot * self.slot_bytes
-        return self._arena_np[start:start + self._slot_len[slot]].tobytes()
+        return self._slot(slot).tobytes()
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return self._read_many(keys, lease=False)
+
+    def lease_many(self, keys: list[bytes]) -> list[memoryview | None]:
+        """Like `get_many`, without the copy: read-only views of the slots, pinned until `release`."""
+        return self._read_many(keys, lease=True)
+
+    def _read_many(self, keys: list[bytes], *, lease: bool) -> list:
+        """Each key's bytes (copied under the lock: a put may reuse the slot next) or, leasing, a view
+        of its slot, pinned so that nothing moves it until `release`; None where not held."""
         start = time.perf_counter()
-        out: list[bytes | None] = []
+        out: list = []
         for key in keys:
             with self._lock:
                 slot = self._key_to_slot.get(key)
-                data = None if slot is None else self._read(slot)
-                if data is not None:
+                data = None
+                if slot is not None:
                     self._lru.touch(key)
+                    if lease:
+                        self._slot_pins[slot] += 1
+                        self._leases.setdefault(key, []).append(slot)
+                        data = memoryview(self._slot(slot)).toreadonly()
+                    else:
+                        data = self._read(slot)
             if data is None:
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
                 self.stats.bytes_read += len(data)
             out.append(data)
-        self.stats.read_seconds += time.perf_counter() - start
-        return out
-
-    def lease_many(self, keys: list[bytes]) -> list[memoryview | None]:
-        """Like `get_many`, without the copy: read-only views of the slots, pinned until `release`."""
-        start = time.perf_counter()
-        out: list[memoryview | None] = []
-        for key in keys:
-            with self._lock:
-                slot = self._key_to_slot.get(key)
-                if slot is not None:
-                    self._lru.touch(key)
-                    self._slot_pins[slot] += 1
-                    self._leases.setdefault(key, []).append(slot)
-            if slot is None:
-                self.stats.misses += 1
-                out.append(None)
-                continue
-            offset = slot * self.slot_bytes
-            view = memoryview(self._arena_np[offset:offset + self._slot_len[slot]]).toreadonly()
-            self.stats.hits += 1
-            self.stats.bytes_read += len(view)
-            out.append(view)
         self.stats.read_seconds += time.perf_counter() - start
         return out
 

@@ -308,13 +308,13 @@ class TierManager:
         promote = [(match.keys[i], fetched[i]) for i in range(kept) if match.tier_indices[i] > 0]
         if promote:
             self._put_top(promote)
-        ours_by_tier: dict[int, tuple[Tier, list[bytes]]] = {}
+        ours: dict[int, tuple[Tier, list[bytes]]] = {}
+        rest: dict[int, tuple[Tier, list[bytes]]] = {}
         for i, tier in leased.items():
-            if i < kept:
-                ours_by_tier.setdefault(id(tier), (tier, []))[1].append(match.keys[i])
-            else:
-                _release(tier, [match.keys[i]])
-        return list(ours_by_tier.values())
+            (ours if i < kept else rest).setdefault(id(tier), (tier, []))[1].append(match.keys[i])
+        for tier, keys in rest.values():
+            _release(tier, keys)
+        return list(ours.values())
 
     def get_prefix(self, keys: list[bytes]) -> list[bytes]:
         """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""
