@@ -62,6 +62,52 @@ def test_round_trip_batched(pool_service):
     tier.close()
 
 
+def test_leased_reads_give_the_same_blocks_and_reuse_their_buffers(pool_service):
+    """`lease_many` returns what `get_many` does; Mooncake reads into registered buffers of its own
+    (read-only views, the same buffers again after `release`), Redis hands out copies."""
+    tier = make_tier(pool_service.spec, slot_bytes=SIZE)
+    keys = _keys("lease", 4)
+    tier.put_many([(k, _block(i, k)) for i, k in enumerate(keys[:3])])
+    leased = tier.lease_many(keys)
+    assert [None if v is None else bytes(v) for v in leased] == tier.get_many(keys)
+    assert leased[3] is None and tier.stats.hits == 6 and tier.stats.bytes_read == 6 * SIZE
+    if pool_service.spec.startswith("mooncake"):
+        assert all(isinstance(v, memoryview) and v.readonly for v in leased[:3])
+        first = {id(v.obj) for v in leased[:3]}
+        tier.release(keys[:3])
+        again = tier.lease_many(keys[:3])
+        assert {id(v.obj) for v in again} == first  # the same mappings: nothing allocated, nothing faulted in
+        assert [bytes(v) for v in again] == [_block(i, keys[i]) for i in range(3)]
+    tier.release(keys)
+    assert tier._leases == {}
+    tier.close()
+
+
+def test_mooncake_block_larger_than_its_read_buffers_is_read_anyway(mooncake_master):
+    """Lease buffers are sized to the largest block seen; a bigger one is read with get_batch."""
+    tier = make_tier(mooncake_master.spec, slot_bytes=1)
+    keys = _keys("grow", 2)
+    small, big = bytes([1]) * 1000, bytes([2]) * 100_000
+    tier.put_many([(keys[0], small), (keys[1], big)])
+    tier.backend._block_hint = 1000  # as if only small blocks were seen so far
+    assert [bytes(v) for v in tier.lease_many(keys)] == [small, big]
+    tier.release(keys)
+    assert tier.stats.errors == 0 and tier._leases == {}
+    tier.close()
+
+
+def test_a_stream_over_a_pool_ends_at_a_bad_block_and_gives_every_buffer_back(pool_service):
+    m = build_manager([pool_service.spec], slot_bytes=SIZE)
+    keys = _keys("streambad", 3)
+    bad = bytearray(_block(1, keys[1]))
+    bad[-3] ^= 0x10
+    m.tiers[0].put_many([(keys[0], _block(0, keys[0])), (keys[1], bytes(bad)), (keys[2], _block(2, keys[2]))])
+    assert [bytes(b.payload) for b in m.stream(m.match(keys))] == [_block(0, keys[0])]
+    assert m.tiers[0].stats.corrupt == 1 and m.tiers[0].contains_many(keys) == [True, False, True]
+    assert m.tiers[0]._leases == {}
+    m.close()
+
+
 def test_another_server_sees_the_blocks(pool_service, tmp_path):
     """Two managers (two servers), each DRAM over the shared pool: B's miss in DRAM is A's pool block."""
     a = build_manager(["dram:1MiB", pool_service.spec], slot_bytes=SIZE)

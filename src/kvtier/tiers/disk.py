@@ -36,6 +36,7 @@ from pathlib import Path
 from kvtier.errors import UserError
 from kvtier.index import LRUIndex
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.health import TierHealth
 from kvtier.units import fmt_bytes
 
@@ -46,39 +47,6 @@ _PROBE_NAME = ".kvtier-probe"
 READ_THREADS = 4
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
-_ALIGN = 4096                     # O_DIRECT: buffer address, offset and length in whole pages
-POOL_BYTES = 1 << 30              # read buffers kept for reuse at most (beyond that, unmapped)
-
-
-class ReadBuffers:
-    """Page-aligned anonymous mappings reused across restores: no allocation (and no page faults)
-    on the read path once warm. `take(size)` -> a buffer of at least `size` rounded up to a page."""
-
-    def __init__(self, max_bytes: int = POOL_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._free: dict[int, list[mmap.mmap]] = {}
-        self._free_bytes = 0
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> mmap.mmap:
-        capacity = -(-max(size, 1) // _ALIGN) * _ALIGN
-        with self._lock:
-            free = self._free.get(capacity)
-            if free:
-                self._free_bytes -= capacity
-                return free.pop()
-        return mmap.mmap(-1, capacity)
-
-    def give(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if self._free_bytes + len(buf) <= self.max_bytes:
-                self._free.setdefault(len(buf), []).append(buf)
-                self._free_bytes += len(buf)
-                return
-        try:
-            buf.close()
-        except BufferError:  # a view still exists somewhere: the GC unmaps it later
-            pass
 
 
 def _open_directory(directory: Path) -> None:
@@ -428,7 +396,7 @@ class DiskTier:
         return len(self._lru)
 
     def close(self) -> None:
-        pass
+        self._buffers.close()  # leased buffers still out are unmapped when they come back
 
 
 class SharedMemoryTier(DiskTier):

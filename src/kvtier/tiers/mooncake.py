@@ -16,6 +16,11 @@ The store client takes concurrent calls (it releases the GIL), but a get and a p
 together share that buffer — a put that does not fit is refused (-600) and a get that does not fit
 comes back empty — so each side moves at most half of it per call. The master evicts when its
 segments fill.
+
+Restores (`lease`) have the store write each block straight into a buffer of our own
+(`batch_get_into`): page-aligned, registered with the store once (RDMA needs that), reused, so a
+restore neither allocates nor copies out of the transfer buffer — twice the speed of `get_batch`,
+which returns fresh `bytes`, on a local pool here.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import socket
 from urllib.parse import parse_qs, urlsplit
 
 from kvtier.errors import UserError
+from kvtier.tiers.buffers import ReadBuffers, address
 from kvtier.tiers.pool import PoolError, PoolFullError, PoolTier
 from kvtier.units import parse_bytes
 
 RPC_FAIL = -900          # the master is unreachable
+OBJECT_NOT_FOUND = -704  # batch_get_into: no such key (a miss); other codes: read it with get_batch
 DEFAULT_BUFFER = 256 << 20
 PROBE_TIMEOUT_S = 1.0
 KEY_PROBE = "kvtier:probe"  # looked up after setup: a master that answers is a live pool
@@ -67,6 +74,7 @@ class MooncakeBackend:
         self.local_hostname = local_hostname or master.rpartition(":")[0]
         self._store = None
         self._block_hint = 0  # largest block seen: sizes batched gets to the transfer buffer
+        self._buffers: ReadBuffers | None = None  # lease()'s, registered with the current store
 
     def _live(self):
         if self._store is None:
@@ -90,6 +98,18 @@ class MooncakeBackend:
             store.close()
             raise PoolError(f"master {self.master} does not answer")
         self._store = store
+        self._buffers = ReadBuffers(on_map=lambda buf: self._register(store, buf),
+                                    on_unmap=lambda buf: self._unregister(store, buf))
+
+    @staticmethod
+    def _register(store, buf) -> None:
+        rc = store.register_buffer(address(buf), len(buf))
+        if rc != 0:
+            raise PoolError(f"register_buffer failed with code {rc}")
+
+    def _unregister(self, store, buf) -> None:
+        if store is self._store:  # a closed store has forgotten its buffers (and must not be called)
+            store.unregister_buffer(address(buf))
 
     def exists(self, names: list[str]) -> list[bool]:
         codes = self._live().batch_is_exist(names)
@@ -108,6 +128,42 @@ class MooncakeBackend:
                 out.append(data if data else None)
                 self._block_hint = max(self._block_hint, len(data))
         return out
+
+    def lease(self, names: list[str]) -> list[tuple[memoryview, tuple[ReadBuffers, object]] | None]:
+        """Each block read straight into one of our registered buffers (`batch_get_into`): a
+        read-only view of it and what `release` needs to give the buffer back. A block larger than
+        the buffers (sized to the largest block seen) is read with `get_batch` instead."""
+        store, buffers = self._live(), self._buffers
+        if not names:
+            return []
+        if not self._block_hint:
+            self._block_hint = max(store.get_size(names[0]), 1)
+        bufs = [buffers.take(self._block_hint) for _ in names]
+        codes = store.batch_get_into(names, [address(buf) for buf in bufs], [len(buf) for buf in bufs])
+        if codes and all(code == RPC_FAIL for code in codes):
+            self.release([(buffers, buf) for buf in bufs])
+            raise PoolError(f"batch_get_into failed: master {self.master} unreachable")
+        out: list = []
+        too_big: list[int] = []
+        for i, (buf, code) in enumerate(zip(bufs, codes)):
+            if code >= 0:
+                out.append((memoryview(buf)[:code].toreadonly(), (buffers, buf)))
+                continue
+            buffers.give(buf)
+            out.append(None)
+            if code != OBJECT_NOT_FOUND:
+                too_big.append(i)
+        if too_big:  # a block bigger than our buffers (or some other refusal): the copying read
+            for i, data in zip(too_big, self.get([names[i] for i in too_big])):
+                out[i] = None if data is None else (memoryview(data), (None, data))
+        return out
+
+    def release(self, leased: list[tuple[ReadBuffers | None, object]]) -> None:
+        """Give back the buffers of `lease` (each to the pool it came from: a buffer of a store since
+        closed is unmapped)."""
+        for buffers, buf in leased:
+            if buffers is not None:
+                buffers.give(buf)
 
     def put(self, items: list[tuple[str, bytes]]) -> None:
         self._block_hint = max([self._block_hint, *(len(d) for _, d in items)])
@@ -128,6 +184,9 @@ class MooncakeBackend:
         return None
 
     def close(self) -> None:
+        if self._buffers is not None:
+            buffers, self._buffers = self._buffers, None
+            buffers.close()
         if self._store is not None:
             store, self._store = self._store, None
             store.close()
