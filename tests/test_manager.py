@@ -173,6 +173,16 @@ def test_a_stream_verifies_each_block_as_it_is_pulled_and_settles_at_the_end(tmp
     m.close()
 
 
+def test_two_tiers_of_one_kind_get_names_apart(tmp_path):
+    """Two SSDs: per-tier stats and hit counts would merge under one name."""
+    m = build_manager(["dram:1MiB", f"ssd:{tmp_path / 'a'}:1MiB", f"ssd:{tmp_path / 'b'}:1MiB"], slot_bytes=SIZE)
+    assert [t.name for t in m.tiers] == ["dram", "ssd", "ssd2"] and list(m.stats()) == ["dram", "ssd", "ssd2"]
+    assert m.tiers[2].health.name == "ssd2"
+    m.tiers[2].put_many([(K[0], _block(0))])
+    assert m.lookup([K[0]]) == ["ssd2"]
+    m.close()
+
+
 def test_namespaces_never_share_blocks(tmp_path):
     layout = KVLayout(1, 1, 4, "float32", 4)
     a, b = KeySpace("m", layout, namespace="a"), KeySpace("m", layout, namespace="b")

@@ -312,3 +312,14 @@ def test_ssd_leases_read_into_pooled_buffers(tmp_path):
     assert bytes(again[0]) == _block(0)
     tier.release([K[0]])
     assert tier.get_many([K[0], K[2]]) == [_block(0), _block(2)]
+
+
+def test_disk_capacity_beyond_the_file_system_is_said_at_start(tmp_path, caplog):
+    """A tier sized past the disk's room would only find out at ENOSPC: it warns when it opens."""
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with caplog.at_level("WARNING"):
+        DiskTier(tmp_path / "small", 1 << 20)
+    assert not [r for r in caplog.records if "room for" in r.getMessage()]
+    with caplog.at_level("WARNING"):
+        DiskTier(tmp_path / "huge", free * 4)
+    assert [r for r in caplog.records if "room for" in r.getMessage()]

@@ -8,14 +8,15 @@ Protocol (one process, one run, the same model and prompt):
    produce the first token, which must equal recompute's. Each request reuses the cache of the one
    before through `reset()` (as a serving loop reuses a StaticCache: its pages are already faulted
    in; a fresh cache per request adds the page faults of its buffers, measured apart in the notes).
-   TTFT is wall time from `load_prefix` to the first token's logits; medians are reported. SSD reads are cold: the block files
-   are dropped from the page cache (posix_fadvise DONTNEED) before each request.
+   TTFT is wall time from `load_prefix` to the first token's logits; medians are reported. SSD
+   reads are cold: the block files are dropped from the page cache (posix_fadvise DONTNEED) first.
 3. restore bandwidth = restored KV bytes / `load_prefix` time (match + the stream of blocks, each
-   verified just before its copy into the layer buffers), against the raw medium moving the same
-   bytes in the same run: a warm numpy memcpy between pre-touched buffers (DRAM), a cold sequential
-   read of one file (SSD), the backend's own fastest batched get of the same keys (Mooncake: the
-   better of `get_batch` and `batch_get_into`; Redis `MGET`). Both sides are the best of their repeats (on a shared machine the least disturbed
-   run of each; medians would compare a disturbed restore with an undisturbed reference).
+   verified just before its copy into the layer buffers); the engine's restore (its transfer worker
+   into a paged arena) beside it; against the raw medium moving the same bytes: a warm numpy memcpy
+   between pre-touched buffers (DRAM), a cold sequential read of one file (SSD), the backend's own
+   fastest batched get of the same keys (Mooncake: the better of `get_batch` and `batch_get_into`;
+   Redis `MGET`). Each round runs the three back to back, so both sides of a ratio see the same
+   machine load; each side is its best round (on a shared machine the least disturbed one).
 Targets (issue 13): DRAM restore >= 80% of memcpy, SSD >= 70% of the cold read, pools >= 80% of
 their raw get; a DRAM hit's TTFT >= 100x recompute's. `--json` prints one object per source.
 Pool tiers use the given URLs, or local services on 127.0.0.1 started (and stopped) by the run.
@@ -106,13 +107,18 @@ def drop_page_cache(directory: Path) -> None:
 
 
 def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, recompute_s: float,
-                 expected_token: int, block_tokens: int, before_each=None) -> PrefixRow:
+                 expected_token: int, block_tokens: int, raw_read, before_each=None) -> PrefixRow:
+    """Rounds of three, side by side: the `TieredCache` restore and first token, the engine's restore
+    into its arena, and the raw medium moving the same bytes (`raw_read()` -> seconds). Interleaving
+    puts each ratio's two sides under the same machine load (a shared VM's bandwidth drifts by tens of
+    percent within minutes); bandwidths are the best round of each, TTFT the median."""
     warm = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
     _first_token(loaded, ids, warm)
     warm.store(ids[0])
     manager.flush()
-    times, loads, cached = [], [], 0
     cache = warm
+    arena_restore = _arena_restore(loaded, manager, ids, block_tokens)
+    times, loads, arena_times, raw_times, cached = [], [], [], [], 0
     for _ in range(repeats):
         if before_each:
             before_each()
@@ -123,9 +129,15 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
         cached = cache.prefix.cached_tokens
         times.append(seconds)
         loads.append(load_s)
+        if before_each:
+            before_each()
+        arena_times.append(arena_restore())
+        raw_times.append(raw_read())
     ttft = statistics.median(times)
     restore_bytes = cached * loaded.kv_layout(block_tokens).bytes_per_token
-    return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / min(loads) / 1e9)
+    return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / min(loads) / 1e9,
+                     raw_gb_s=restore_bytes / min(raw_times) / 1e9,
+                     arena_gb_s=restore_bytes / min(arena_times) / 1e9)
 
 
 def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
@@ -136,67 +148,67 @@ def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
     return block_keys(space, ids[0, :(ids.shape[1] - 1) // block_tokens * block_tokens].tolist())
 
 
-def measure_arena_restore(loaded, manager, ids: torch.Tensor, repeats: int, block_tokens: int,
-                          before_each=None) -> float:
+def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
     """The engine's restore of the same prefix: `KVTransfer` streams the verified blocks from the tier
-    into a paged `RawArena` (allocated once and zeroed, as the engine's is). GB/s, median; the first
-    block is checked to hold exactly what the tier stored."""
+    into a paged `RawArena` (allocated once and zeroed, as the engine's is). Returns a function that
+    restores once and gives its seconds, after checking every block came and the first holds exactly
+    what the tier stored."""
     from kvtier.codecs import get_codec
     from kvtier.engine.arena import RawArena
     from kvtier.engine.transfer import KVTransfer, LoadJob
 
     keys = _prefix_keys(loaded, ids, block_tokens)
-    layout = loaded.kv_layout(block_tokens)
-    arena = RawArena(layout, len(keys), torch.device("cpu"))
+    arena = RawArena(loaded.kv_layout(block_tokens), len(keys), torch.device("cpu"))
     codec = get_codec("raw")
     transfer = KVTransfer(manager, codec, write_block=arena.write_block, synchronous=True)
-    times, num_blocks = [], 0
-    for _ in range(repeats):
-        if before_each:
-            before_each()
+
+    def restore() -> float:
         start = time.perf_counter()
         transfer.load(LoadJob("bench", manager.match(keys), list(range(len(keys)))))
         (done,) = transfer.poll()
-        times.append(time.perf_counter() - start)
-        num_blocks = done.num_written
-    if num_blocks != len(keys):
-        raise AssertionError(f"the engine restored {num_blocks} of {len(keys)} blocks")
-    stored = codec.decode(manager.get_prefix(keys[:1])[0], keys[0])
-    if not torch.equal(arena.block_tensor(0), stored):
-        raise AssertionError("the engine's restored block differs from the stored one")
-    return num_blocks * layout.block_bytes / min(times) / 1e9
+        seconds = time.perf_counter() - start
+        if done.num_written != len(keys):
+            raise AssertionError(f"the engine restored {done.num_written} of {len(keys)} blocks")
+        stored = codec.decode(manager.get_prefix(keys[:1])[0], keys[0])
+        if not torch.equal(arena.block_tensor(0), stored):
+            raise AssertionError("the engine's restored block differs from the stored one")
+        return seconds
+
+    return restore
 
 
-# -- the raw media, moving the same bytes ---------------------------------------------------------
-def raw_memcpy_gb_s(num_bytes: int, repeats: int) -> float:
-    """The physical limit, measured warm: both buffers pre-touched, the best of several copies."""
+# -- the raw media, moving the same bytes: each a function that moves them once, -> seconds ------
+def raw_memcpy(num_bytes: int):
+    """The physical limit, warm: both buffers pre-touched."""
     src = np.ones(num_bytes, dtype=np.uint8)
     dst = np.zeros(num_bytes, dtype=np.uint8)
-    best = float("inf")
-    for _ in range(max(repeats, 5)):
+
+    def copy() -> float:
         start = time.perf_counter()
         np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
+        return time.perf_counter() - start
+
+    return copy
 
 
-def raw_file_read_gb_s(directory: Path, num_bytes: int, repeats: int) -> float:
+def raw_file_read(directory: Path, num_bytes: int):
+    """A cold sequential read of one file of the same size (evicted from the page cache each time)."""
     path = directory / "raw-read.bin"
     with open(path, "wb") as f:
         f.write(np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8).tobytes())
         f.flush()
         os.fsync(f.fileno())
-    times = []
-    for _ in range(repeats):
+
+    def read() -> float:
         drop_page_cache(directory)
         start = time.perf_counter()
         path.read_bytes()
-        times.append(time.perf_counter() - start)
-    path.unlink()
-    return num_bytes / min(times) / 1e9
+        return time.perf_counter() - start
+
+    return read
 
 
-def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, repeats: int) -> float:
+def raw_pool_get(manager, loaded, ids: torch.Tensor, block_tokens: int):
     """The backend's own fastest batched read of the very blocks restored: Redis `MGET`; Mooncake the
     better of `get_batch` (fresh bytes) and `batch_get_into` (into warm, registered buffers)."""
     tier = manager.tiers[0]
@@ -207,16 +219,20 @@ def raw_pool_get_gb_s(manager, loaded, ids: torch.Tensor, block_tokens: int, rep
         def lease_and_release(names):
             leased = backend.lease(names)
             backend.release([item[1] for item in leased if item is not None])
-            return [item[0] for item in leased if item is not None]
+            return leased
         reads.append(lease_and_release)
-    best, num_bytes = float("inf"), 0
-    for _ in range(repeats):
+
+    def get() -> float:
+        best = float("inf")
         for read in reads:
             start = time.perf_counter()
-            datas = read(names)
+            got = read(names)
             best = min(best, time.perf_counter() - start)
-            num_bytes = sum(len(d) for d in datas if d)
-    return num_bytes / best / 1e9
+            if any(item is None for item in got):
+                raise AssertionError(f"{tier.name}: the raw read missed blocks the restore found")
+        return best
+
+    return get
 
 
 def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POOL_TIERS), repeats: int = 3,
@@ -255,16 +271,11 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
                 progress(f"{tier}: store, then {repeats} cached requests")
                 manager = build_manager([spec], slot_bytes=slot, async_writes=False)
                 before = (lambda: drop_page_cache(tmp / "ssd")) if tier == "ssd" else None
-                row = measure_tier(loaded, manager, tier, ids, repeats, recompute_s, token, block_tokens, before)
-                row.arena_gb_s = measure_arena_restore(loaded, manager, ids, repeats, block_tokens, before)
-                num_bytes = row.cached_tokens * loaded.kv_layout(block_tokens).bytes_per_token
-                if tier == "dram":
-                    row.raw_gb_s = raw_memcpy_gb_s(num_bytes, repeats)
-                elif tier == "ssd":
-                    row.raw_gb_s = raw_file_read_gb_s(tmp, num_bytes, repeats)
-                else:
-                    row.raw_gb_s = raw_pool_get_gb_s(manager, loaded, ids, block_tokens, repeats)
-                rows.append(row)
+                num_bytes = len(_prefix_keys(loaded, ids, block_tokens)) * loaded.kv_layout(block_tokens).block_bytes
+                raw = raw_memcpy(num_bytes) if tier == "dram" else raw_file_read(tmp, num_bytes) if tier == "ssd" \
+                    else raw_pool_get(manager, loaded, ids, block_tokens)
+                rows.append(measure_tier(loaded, manager, tier, ids, repeats, recompute_s, token, block_tokens, raw,
+                                         before))
                 manager.close()
         finally:
             for service in started:

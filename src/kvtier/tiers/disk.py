@@ -90,6 +90,20 @@ class DiskTier:
         self._scan()
         if self._read_only():
             self.health.fail(f"{self.directory}: read-only file system", reads=False)
+        self._warn_if_disk_smaller()
+
+    def _warn_if_disk_smaller(self) -> None:
+        """A capacity the file system cannot hold is not an error (the disk may be cleaned up), but the
+        tier will stop writing at ENOSPC long before it is full: say so now, not then."""
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return
+        room = st.f_bavail * st.f_frsize + self._lru.used
+        if room < self.capacity_bytes:
+            log.warning("%s tier %s: capacity %s but the file system has room for %s (free + this tier's "
+                        "blocks): writes stop when the disk fills", self.name, self.directory,
+                        fmt_bytes(self.capacity_bytes), fmt_bytes(room))
 
     def _read_only(self) -> bool:
         try:

@@ -78,6 +78,19 @@ class VerifiedBlock:
     tier: str
 
 
+def _name_apart(tiers: list[Tier]) -> None:
+    """Two tiers of one kind (two SSDs, two pools) become `ssd` and `ssd2`: stats, metrics and the
+    per-tier hit counts are keyed by name and would otherwise merge them."""
+    taken: set[str] = set()
+    for tier in tiers:
+        name, n = tier.name, 1
+        while name in taken:
+            n += 1
+            name = f"{tier.name}{n}"
+        taken.add(name)
+        tier.name = tier.health.name = name
+
+
 def _release(tier: Tier, keys: list[bytes]) -> None:
     try:
         tier.release(keys)
@@ -90,6 +103,7 @@ class TierManager:
                  backoff: Backoff | None = None) -> None:
         if not tiers:
             raise ValueError("a TierManager needs at least one tier")
+        _name_apart(tiers)
         self.tiers = tiers
         self.num_dropped_writes = 0
         if backoff is not None:
