@@ -96,4 +96,32 @@ def test_loads_write_verified_blocks_and_report_the_rest(manager, tmp_path, mode
     assert (stats["loaded_blocks"], stats["failed_blocks"], stats["hit_tokens_shm"]) == (1, 2, T)
     assert "saved_blocks" not in stats  # a failed layerwise load's request saves nothing this step
     assert worker.take_loaded_tiers() == {"r1": ["shm"]}
+    assert manager.tiers[0]._leases == {}  # the read buffers the load was served from went back
     source.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["async", "layerwise"])
+def test_loads_from_dram_copy_straight_out_of_its_slots_and_end_every_lease(mode):
+    manager = build_manager(["dram:1MiB"], slot_bytes=1 << 16, async_writes=False)
+    source, caches = new_worker(manager)
+    keys = block_keys(SPACE, list(range(2 * T)))
+    save(source, [SaveSpec("r0", keys, [0, 1])])
+    dram = manager.tiers[0]
+    served = []
+    lease = dram.lease_many
+    dram.lease_many = lambda ks: served.append(len(ks)) or lease(ks)
+    worker, target = new_worker(manager)
+    spec = LoadSpec("r1", keys, [4, 5])
+    if mode == "async":
+        worker.start_loads([spec])
+        worker.shutdown()
+    else:
+        worker.start_layerwise([spec])
+        for name in NAMES:
+            worker.wait_layer(name)
+        worker.finish_layerwise()
+        worker.shutdown()
+    assert served == [2] and dram.num_leased() == 0
+    assert torch.equal(blocks_of(target, [4, 5]), blocks_of(caches, [0, 1]))
+    source.shutdown()
+    manager.close()

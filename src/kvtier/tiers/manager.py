@@ -339,9 +339,10 @@ class TierManager:
             return verify(data, key)
         except CorruptBlockError as exc:
             log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
-            tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
-            tier.stats.misses += 1
-            tier.stats.corrupt += 1
+            with self._read_locks[id(tier)]:  # the prefetch thread may be counting this tier's reads
+                tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
+                tier.stats.misses += 1
+                tier.stats.corrupt += 1
             self._guarded(tier, "delete", lambda: tier.delete(key), False)
             return None
 

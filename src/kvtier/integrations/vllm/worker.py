@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ class WorkerSide:
 
     def _load(self, spec: LoadSpec) -> None:
         start = time.perf_counter()
-        blocks, tiers = self._read_verified(spec)
+        blocks, tiers, release = self._read_verified(spec)
         try:
             if blocks:
                 index = torch.tensor(spec.block_ids[:len(blocks)], dtype=torch.long)
@@ -113,26 +114,33 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
             log.exception("kvtier: writing %d blocks for %s failed; recomputing", len(blocks), spec.req_id)
             blocks = []
+        finally:
+            release()
         failed = self._account(spec, tiers[:len(blocks)], time.perf_counter() - start)
         with self._lock:
             self._done_loads.append((spec.req_id, failed))
 
-    def _read_verified(self, spec: LoadSpec) -> tuple[list[torch.Tensor], list[str]]:
+    def _read_verified(self, spec: LoadSpec) -> tuple[list[torch.Tensor], list[str], Callable[[], None]]:
         """The blocks of `spec` up to the first one missing or not proven to be the one its key names,
-        each [L, 2, H, T, D], and the tier each came from."""
+        each [L, 2, H, T, D], the tier each came from, and `release`: the blocks are leased (views of a
+        DRAM slot, a pooled SSD or Mooncake buffer: no copy on the way in) until it is called, once
+        they are written into the cache."""
+        prefix = None
         try:
             # One batched contains + get per tier; each block proven to be the one its key names.
-            prefix = self.manager.read(self.manager.match(spec.keys))
+            prefix = self.manager.read(self.manager.match(spec.keys), lease=True)
             blocks = []
             for key, hdr, data in zip(spec.keys, prefix.headers, prefix.payloads):
                 kv = self._decode(key, hdr, data)
                 if kv is None:
                     break
                 blocks.append(kv)
-            return blocks, prefix.tiers[:len(blocks)]
+            return blocks, prefix.tiers[:len(blocks)], prefix.release
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
             log.exception("kvtier: load of %d blocks for %s failed; recomputing", len(spec.keys), spec.req_id)
-            return [], []
+            if prefix is not None:
+                prefix.release()
+            return [], [], lambda: None
 
     def _account(self, spec: LoadSpec, tiers: list[str], seconds: float) -> list[int]:
         """Count a finished load (`tiers`: one per loaded block); the block ids that did not load."""
@@ -174,8 +182,8 @@ class WorkerSide:
     def _load_layers(self, loads: list[LoadSpec], state: _LayerwiseLoad) -> None:
         start = time.perf_counter()
         read = [self._read_verified(spec) for spec in loads]  # every block verified before any is written
-        kv = [block for blocks, _ in read for block in blocks]
-        index = torch.tensor([b for spec, (blocks, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]],
+        kv = [block for blocks, _, _ in read for block in blocks]
+        index = torch.tensor([b for spec, (blocks, _, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]],
                              dtype=torch.long)
         try:
             for layer, ready in enumerate(state.ready):  # layer 0 is ready after 1/L of the copy
@@ -184,12 +192,14 @@ class WorkerSide:
                 ready.set()
         except Exception:  # noqa: BLE001 - recomputed, as any failed load
             log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(kv))
-            read = [([], []) for _ in loads]
+            read = [([], [], release) for _, _, release in read]
         finally:
             for ready in state.ready:
                 ready.set()  # never leave the forward waiting
+            for _, _, release in read:
+                release()
         seconds = time.perf_counter() - start
-        for spec, (blocks, tiers) in zip(loads, read):
+        for spec, (blocks, tiers, _) in zip(loads, read):
             failed = self._account(spec, tiers, seconds / len(loads))
             if failed:
                 with self._lock:
