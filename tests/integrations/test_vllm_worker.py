@@ -96,7 +96,7 @@ def test_loads_write_verified_blocks_and_report_the_rest(manager, tmp_path, mode
     assert (stats["loaded_blocks"], stats["failed_blocks"], stats["hit_tokens_shm"]) == (1, 2, T)
     assert "saved_blocks" not in stats  # a failed layerwise load's request saves nothing this step
     assert worker.take_loaded_tiers() == {"r1": ["shm"]}
-    assert manager.tiers[0]._leases == {}  # the read buffers the load was served from went back
+    assert manager.tiers[0].num_leased() == 0  # the read buffers the load was served from went back
     source.shutdown()
 
 

@@ -307,7 +307,7 @@ def test_ssd_leases_read_into_pooled_buffers(tmp_path):
     assert tier.delete(K[1]) and bytes(views[1]) == _block(1)  # the file is gone, the leased copy is not
     assert tier.stats.hits == 3 and tier.stats.misses == 1
     tier.release([K[0], K[1], K[2]])
-    assert tier._leases == {}
+    assert tier.num_leased() == 0
     again = tier.lease_many([K[0]])
     assert bytes(again[0]) == _block(0)
     tier.release([K[0]])

@@ -45,5 +45,6 @@ class Tier(Protocol):
     def num_blocks(self) -> int: ...
     def reconnect(self) -> bool: ...  # probe; on success `health.recover()`; returns `health.healthy`
     def close(self) -> None: ...
-    # A tier that can hand out its own memory (DRAM) also offers `lease_many(keys)` -> read-only views,
-    # pinned until `release(keys)`; the manager uses them for `read(match, lease=True)`.
+    # A tier that can hand out its own memory also offers `lease_many(keys)` -> read-only views, valid
+    # until `release(keys)`, and `num_leased()`: DRAM its slots (pinned), the SSD and Mooncake their
+    # reused read buffers; the manager uses them for `read(match, lease=True)` and `stream`.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -74,3 +74,28 @@ class ReadBuffers:
             buf.close()
         except BufferError:  # a view still exists somewhere: the GC unmaps it later
             pass
+
+
+class Leases:
+    """Which buffers a tier has lent out under which key (a key may be out more than once at a time)."""
+
+    def __init__(self) -> None:
+        self._out: dict[Hashable, list] = {}
+        self._lock = threading.Lock()
+
+    def add(self, key: Hashable, buf) -> None:
+        with self._lock:
+            self._out.setdefault(key, []).append(buf)
+
+    def end(self, keys: list[Hashable]) -> list:
+        """One lease of each key ended: the buffers to give back (none for a key not out)."""
+        with self._lock:
+            bufs = [self._out[key].pop() for key in keys if self._out.get(key)]
+            for key in keys:
+                if key in self._out and not self._out[key]:
+                    del self._out[key]
+        return bufs
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(map(len, self._out.values()))

@@ -36,7 +36,7 @@ from pathlib import Path
 from kvtier.errors import UserError
 from kvtier.index import LRUIndex
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.buffers import ReadBuffers
+from kvtier.tiers.buffers import Leases, ReadBuffers
 from kvtier.tiers.health import TierHealth
 from kvtier.units import fmt_bytes
 
@@ -85,7 +85,7 @@ class DiskTier:
         self._in_flux: set[bytes] = set()
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
-        self._leases: dict[bytes, list[mmap.mmap]] = {}   # key -> buffers lent out under it
+        self._leases = Leases()  # read buffers lent out, by key
         self._direct_io = hasattr(os, "O_DIRECT")
         self._scan()
         if self._read_only():
@@ -221,7 +221,7 @@ class DiskTier:
                     out.append(None)
                     continue
                 buf, size = got
-                self._leases.setdefault(key, []).append(buf)
+                self._leases.add(key, buf)
                 self._lru.touch(key)
                 out.append(memoryview(buf)[:size].toreadonly())
         self._after_read(keys, present, out)
@@ -230,13 +230,11 @@ class DiskTier:
 
     def release(self, keys: list[bytes]) -> None:
         """Give back the buffers `lease_many` read `keys` into (one lease each)."""
-        with self._index_lock:
-            bufs = [self._leases[key].pop() for key in keys if self._leases.get(key)]
-            for key in keys:
-                if key in self._leases and not self._leases[key]:
-                    del self._leases[key]
-        for buf in bufs:
+        for buf in self._leases.end(keys):
             self._buffers.give(buf)
+
+    def num_leased(self) -> int:
+        return len(self._leases)
 
     def _read_into(self, path: Path) -> tuple[mmap.mmap, int] | None:
         """The whole file in a pooled buffer: (buffer, file size), or None if it cannot be read."""

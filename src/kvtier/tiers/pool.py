@@ -14,11 +14,11 @@ its transfer buffer between the two), so a slow put never holds up a lookup.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Protocol
 
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ class PoolTier:
         self.health = TierHealth(name)
         self._written_bytes = 0
         self._written_blocks = 0
-        self._leases: dict[bytes, list] = {}  # key -> backend buffers lent out under it
-        self._lease_lock = threading.Lock()
+        self._leases = Leases()  # the backend's buffers lent out, by key
         if not connect:
             self.health.fail("not connected yet")
         elif (problem := self._connect()) is not None:
@@ -90,21 +89,18 @@ class PoolTier:
         if lease is None:
             return self.get_many(keys)
         got = self._read(keys, lease, lambda item: item[0])
-        with self._lease_lock:
-            for key, item in zip(keys, got):
-                if item is not None:
-                    self._leases.setdefault(key, []).append(item[1])
+        for key, item in zip(keys, got):
+            if item is not None:
+                self._leases.add(key, item[1])
         return [None if item is None else item[0] for item in got]
 
     def release(self, keys: list[bytes]) -> None:
         """Give back the buffers `lease_many` read `keys` into (one lease each)."""
-        with self._lease_lock:
-            bufs = [self._leases[key].pop() for key in keys if self._leases.get(key)]
-            for key in keys:
-                if key in self._leases and not self._leases[key]:
-                    del self._leases[key]
-        if bufs:
+        if bufs := self._leases.end(keys):
             self.backend.release(bufs)
+
+    def num_leased(self) -> int:
+        return len(self._leases)
 
     def _read(self, keys: list[bytes], read, data=lambda item: item) -> list:
         """`read(names)` with the tier's bookkeeping; `data(item)` is an item's bytes."""
