@@ -17,7 +17,9 @@ from kvtier.errors import UserError
 from kvtier.tiers.manager import TierManager, build_manager
 from kvtier.server.metrics import EngineView, ServerMetrics
 from kvtier.tiers import Backoff, DiskTier, HostTier, make_tier
+from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.mooncake import parse_spec
+from kvtier.tiers.pool import PoolError
 
 from kvtier.services import MooncakePool, RedisServer, free_port
 
@@ -84,7 +86,8 @@ def test_leased_reads_give_the_same_blocks_and_reuse_their_buffers(pool_service)
 
 
 def test_mooncake_block_larger_than_its_read_buffers_is_read_anyway(mooncake_master):
-    """Lease buffers are sized to the largest block seen; a bigger one is read with get_batch."""
+    """Lease buffers are sized to the largest block seen; a bigger one is read with get_batch, and so
+    is every block when no buffer can be registered."""
     tier = make_tier(mooncake_master.spec, slot_bytes=1)
     keys = _keys("grow", 2)
     small, big = bytes([1]) * 1000, bytes([2]) * 100_000
@@ -93,6 +96,14 @@ def test_mooncake_block_larger_than_its_read_buffers_is_read_anyway(mooncake_mas
     assert [bytes(v) for v in tier.lease_many(keys)] == [small, big]
     tier.release(keys)
     assert tier.stats.errors == 0 and tier.num_leased() == 0
+    # a store that refuses to register read buffers (RDMA memory limits): still read, by copy
+    def refuse(buf):
+        raise PoolError("register_buffer failed with code -1")
+
+    tier.backend._buffers = ReadBuffers(on_map=refuse)
+    assert [bytes(v) for v in tier.lease_many(keys)] == [small, big]
+    tier.release(keys)
+    assert tier.stats.errors == 0 and tier.health.healthy and tier.num_leased() == 0
     tier.close()
 
 

@@ -25,6 +25,7 @@ which returns fresh `bytes`, on a local pool here.
 
 from __future__ import annotations
 
+import logging
 import socket
 from urllib.parse import parse_qs, urlsplit
 
@@ -33,6 +34,7 @@ from kvtier.tiers.buffers import ReadBuffers, address
 from kvtier.tiers.pool import PoolError, PoolFullError, PoolTier
 from kvtier.units import parse_bytes
 
+log = logging.getLogger(__name__)
 RPC_FAIL = -900          # the master is unreachable
 OBJECT_NOT_FOUND = -704  # batch_get_into: no such key (a miss); other codes: read it with get_batch
 DEFAULT_BUFFER = 256 << 20
@@ -129,22 +131,29 @@ class MooncakeBackend:
                 self._block_hint = max(self._block_hint, len(data))
         return out
 
-    def lease(self, names: list[str]) -> list[tuple[memoryview, tuple[ReadBuffers, object]] | None]:
+    def lease(self, names: list[str]) -> list[tuple[memoryview, tuple[ReadBuffers | None, object]] | None]:
         """Each block read straight into one of our registered buffers (`batch_get_into`): a
         read-only view of it and what `release` needs to give the buffer back. A block larger than
-        the buffers (sized to the largest block seen) is read with `get_batch` instead."""
+        the buffers (sized to the largest block seen), or refused for another reason, is read with
+        `get_batch` instead; so is everything when no buffer can be registered."""
         store, buffers = self._live(), self._buffers
         if not names:
             return []
         if not self._block_hint:
             self._block_hint = max(store.get_size(names[0]), 1)
-        bufs = [buffers.take(self._block_hint) for _ in names]
+        bufs: list = []
+        try:
+            bufs.extend(buffers.take(self._block_hint) for _ in names)
+        except PoolError as exc:  # registration refused (RDMA memory limits): the copying read
+            log.warning("mooncake: no read buffer (%s); reading with get_batch", exc)
+            self.release([(buffers, buf) for buf in bufs])
+            return [None if data is None else (memoryview(data), (None, data)) for data in self.get(names)]
         codes = store.batch_get_into(names, [address(buf) for buf in bufs], [len(buf) for buf in bufs])
         if codes and all(code == RPC_FAIL for code in codes):
             self.release([(buffers, buf) for buf in bufs])
             raise PoolError(f"batch_get_into failed: master {self.master} unreachable")
         out: list = []
-        too_big: list[int] = []
+        retry: list[int] = []
         for i, (buf, code) in enumerate(zip(bufs, codes)):
             if code >= 0:
                 out.append((memoryview(buf)[:code].toreadonly(), (buffers, buf)))
@@ -152,10 +161,14 @@ class MooncakeBackend:
             buffers.give(buf)
             out.append(None)
             if code != OBJECT_NOT_FOUND:
-                too_big.append(i)
-        if too_big:  # a block bigger than our buffers (or some other refusal): the copying read
-            for i, data in zip(too_big, self.get([names[i] for i in too_big])):
-                out[i] = None if data is None else (memoryview(data), (None, data))
+                retry.append(i)
+        if retry:
+            try:
+                for i, data in zip(retry, self.get([names[i] for i in retry])):
+                    out[i] = None if data is None else (memoryview(data), (None, data))
+            except PoolError:
+                self.release([item[1] for item in out if item is not None])
+                raise
         return out
 
     def release(self, leased: list[tuple[ReadBuffers | None, object]]) -> None:
