@@ -203,6 +203,8 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                           max_context=(num_blocks - 1) * BLOCK_TOKENS) if trace else None
     results: dict[str, SystemResult] = {}
     breakdowns: dict[str, dict[str, float]] = {}
+    if log_dir:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
     for name in systems:
         with ExitStack() as stack:
             tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
