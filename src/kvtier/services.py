@@ -42,7 +42,8 @@ def _binary(name: str) -> str:
 
 
 class Service:
-    """Processes started in order (each waited on its port), stopped in reverse."""
+    """Processes started in order (each waited on its port), stopped in reverse. A start that fails
+    part-way stops what it had started; `with Service(...) as service:` stops it all at the end."""
 
     def __init__(self, commands: list[tuple[list[str], int]], log_dir: Path) -> None:
         self.commands = commands
@@ -50,17 +51,28 @@ class Service:
         self.procs: list[subprocess.Popen] = []
 
     def start(self) -> None:
-        for i, (argv, port) in enumerate(self.commands):
-            log = open(self.log_dir / f"{Path(argv[0]).name}-{i}.log", "ab")
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            self.procs.append(proc)
-            wait_port(port, proc)
+        try:
+            for i, (argv, port) in enumerate(self.commands):
+                with open(self.log_dir / f"{Path(argv[0]).name}-{i}.log", "ab") as log:
+                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                self.procs.append(proc)
+                wait_port(port, proc)
+        except BaseException:
+            self.kill()
+            raise
 
     def kill(self) -> None:
         for proc in reversed(self.procs):
             proc.kill()
             proc.wait(timeout=10)
         self.procs.clear()
+
+    def __enter__(self) -> Service:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
 
 
 class MooncakePool(Service):

@@ -21,7 +21,7 @@ from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.mooncake import parse_spec
 from kvtier.tiers.pool import PoolError
 
-from kvtier.services import MooncakePool, RedisServer, free_port
+from kvtier.services import MooncakePool, RedisServer, Service, free_port
 
 pytestmark = pytest.mark.services
 
@@ -274,3 +274,23 @@ def test_mooncake_spec_defaults():
     b = parse_spec("mooncake:10.0.0.5:50051?segment=1GiB")
     assert b.master == "10.0.0.5:50051" and b.metadata == "http://10.0.0.5:8080/metadata"
     assert b.segment_bytes == 1 << 30 and b.buffer_bytes == 256 << 20 and b.protocol == "tcp"
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_service_stops_at_the_end_of_its_block_and_after_a_failed_start(tmp_path):
+    """`with` stops every process; a start that fails part-way (the second process dies) stops the first."""
+    with RedisServer(tmp_path) as redis:
+        assert _listening(redis.port)
+    assert not _listening(redis.port) and redis.procs == []
+    first = free_port()
+    server = [sys.executable, "-m", "http.server", str(first), "--bind", "127.0.0.1"]
+    broken = Service([(server, first), ([sys.executable, "-c", "raise SystemExit(3)"], free_port())], tmp_path)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        broken.start()
+    assert broken.procs == [] and not _listening(first)
