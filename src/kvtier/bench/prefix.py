@@ -112,11 +112,10 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
     into its arena, and the raw medium moving the same bytes (`raw_read()` -> seconds). Interleaving
     puts each ratio's two sides under the same machine load (a shared VM's bandwidth drifts by tens of
     percent within minutes); bandwidths are the best round of each, TTFT the median."""
-    warm = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
-    _first_token(loaded, ids, warm)
-    warm.store(ids[0])
+    cache = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
+    _first_token(loaded, ids, cache)  # the first request computes the prompt and stores its blocks
+    cache.store(ids[0])
     manager.flush()
-    cache = warm
     arena_restore = _arena_restore(loaded, manager, ids, block_tokens)
     times, loads, arena_times, raw_times, cached = [], [], [], [], 0
     for _ in range(repeats):

@@ -77,7 +77,8 @@ class ReadBuffers:
 
 
 class Leases:
-    """Which buffers a tier has lent out under which key (a key may be out more than once at a time)."""
+    """Which buffers (or DRAM slots) a tier has lent out under which key (a key may be out more than
+    once at a time)."""
 
     def __init__(self) -> None:
         self._out: dict[Hashable, list] = {}
@@ -95,6 +96,11 @@ class Leases:
                 if key in self._out and not self._out[key]:
                     del self._out[key]
         return bufs
+
+    def keys(self) -> set[Hashable]:
+        """The keys with a lease out now."""
+        with self._lock:
+            return set(self._out)
 
     def __len__(self) -> int:
         with self._lock:

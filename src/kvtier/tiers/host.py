@@ -27,6 +27,7 @@ import torch
 
 from kvtier.index import LRUIndex
 from kvtier.tiers.base import TierStats
+from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class HostTier:
         self._lock = threading.Lock()
         self._num_oversize = 0
         self._slot_pins = np.zeros(self.num_slots, dtype=np.int64)
-        self._leases: dict[bytes, list[int]] = {}   # key -> slots leased under it, not yet released
+        self._leases = Leases()  # slots leased out, by key, not yet released
         self._orphans: set[int] = set()             # pinned slots whose key was deleted meanwhile
         self.num_dropped_puts = 0                   # every slot pinned: nothing to evict
 
@@ -88,7 +89,7 @@ class HostTier:
                     self._lru.touch(key)
                     if lease:
                         self._slot_pins[slot] += 1
-                        self._leases.setdefault(key, []).append(slot)
+                        self._leases.add(key, slot)
                         data = memoryview(self._slot(slot)).toreadonly()
                     else:
                         data = self._read(slot)
@@ -104,13 +105,7 @@ class HostTier:
     def release(self, keys: list[bytes]) -> None:
         """End the leases `lease_many` gave out for `keys` (one each): their slots may move again."""
         with self._lock:
-            for key in keys:
-                slots = self._leases.get(key)
-                if not slots:
-                    continue
-                slot = slots.pop()
-                if not slots:
-                    del self._leases[key]
+            for slot in self._leases.end(keys):
                 self._slot_pins[slot] -= 1
                 if self._slot_pins[slot] == 0 and slot in self._orphans:
                     self._orphans.discard(slot)

@@ -147,7 +147,7 @@ class MooncakeBackend:
         except PoolError as exc:  # registration refused (RDMA memory limits): the copying read
             log.warning("mooncake: no read buffer (%s); reading with get_batch", exc)
             self.release([(buffers, buf) for buf in bufs])
-            return [None if data is None else (memoryview(data), (None, data)) for data in self.get(names)]
+            return self._copied(names)
         codes = store.batch_get_into(names, [address(buf) for buf in bufs], [len(buf) for buf in bufs])
         if codes and all(code == RPC_FAIL for code in codes):
             self.release([(buffers, buf) for buf in bufs])
@@ -164,12 +164,16 @@ class MooncakeBackend:
                 retry.append(i)
         if retry:
             try:
-                for i, data in zip(retry, self.get([names[i] for i in retry])):
-                    out[i] = None if data is None else (memoryview(data), (None, data))
+                for i, item in zip(retry, self._copied([names[i] for i in retry])):
+                    out[i] = item
             except PoolError:
                 self.release([item[1] for item in out if item is not None])
                 raise
         return out
+
+    def _copied(self, names: list[str]) -> list:
+        """`get`'s blocks in `lease`'s form: nothing to give back."""
+        return [None if data is None else (memoryview(data), (None, data)) for data in self.get(names)]
 
     def release(self, leased: list[tuple[ReadBuffers | None, object]]) -> None:
         """Give back the buffers of `lease` (each to the pool it came from: a buffer of a store since
