@@ -90,6 +90,15 @@ def pack(header: Header, key: bytes) -> bytes:
 def verify(buf: bytes | memoryview, key: bytes) -> Header:
     """Check that `buf` is the intact block stored under `key` (header, key binding and payload
     checksum) without decoding it; raise CorruptBlockError (ForeignBlockError: another key's block)."""
+    hdr = verify_header(buf, key)
+    if xxhash.xxh3_64_intdigest(memoryview(buf).cast("B")[HEADER_BYTES:]) != hdr.payload_checksum:
+        raise CorruptBlockError("payload checksum mismatch")
+    return hdr
+
+
+def verify_header(buf: bytes | memoryview, key: bytes) -> Header:
+    """`verify` without the payload checksum: the header is intact, bound to `key`, and its lengths
+    agree. Enough for a block that never left this process (a DRAM slot of its own)."""
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes, the header alone is {HEADER_BYTES}")
@@ -111,7 +120,5 @@ def verify(buf: bytes | memoryview, key: bytes) -> Header:
     shape, payload_bytes, payload_sum = tuple(rest[:5]), rest[6], rest[7]
     if len(view) - HEADER_BYTES != payload_bytes:
         raise CorruptBlockError(f"payload is {len(view) - HEADER_BYTES} bytes, header says {payload_bytes}")
-    if xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
-        raise CorruptBlockError("payload checksum mismatch")
     codec = _ID_TO_CODEC[codec_id] + (ZSTD_SUFFIX if flags & FLAG_ZSTD else "")
     return Header(codec, _ID_TO_DTYPE[dtype_id], shape, payload_bytes, payload_sum, flags, group_tokens, group_size)

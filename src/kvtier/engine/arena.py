@@ -111,10 +111,17 @@ class RawArena:
     def block_bytes(self) -> int:
         return self.layout.block_bytes
 
-    def context_index(self, block_table: torch.Tensor, context_tokens: int) -> torch.Tensor:
-        """Row (h, p) of a layer's `[num_blocks * H * T, D]` view for every head h and position p."""
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the arena holds (allocated once)."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def context_index(self, block_table: torch.Tensor, context_tokens: int,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Row (h, p) of a layer's `[num_blocks * H * T, D]` view for every head h and position p
+        (p < context_tokens, or the given `positions`: an offloaded sequence's device window)."""
         h, t = self.layout.num_kv_heads, self.layout.block_tokens
-        pos = torch.arange(context_tokens, device=block_table.device)
+        pos = torch.arange(context_tokens, device=block_table.device) if positions is None else positions
         blocks = block_table[pos // t]
         heads = torch.arange(h, device=block_table.device)[:, None]
         return ((blocks[None, :] * h + heads) * t + pos % t).reshape(-1)
@@ -227,6 +234,11 @@ class QuantArena:
     @property
     def block_bytes(self) -> int:
         return arena_block_bytes(self.layout, self.codec)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the arena holds: its parts, and the full-precision open blocks it reserves."""
+        return sum(p.numel() * p.element_size() for p in self.parts.values()) + self.reserved_bytes
 
     def context_index(self, block_table: torch.Tensor, context_tokens: int) -> torch.Tensor:
         return block_table

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+
+from kvtier.engine.offload import OffloadAttention, SeqOffload
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 
@@ -34,7 +36,8 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor     # [N] its offset inside the block
     query_start_loc: list[int]     # [S + 1] sequence s owns rows query_start_loc[s]:query_start_loc[s + 1]
     seq_lens: list[int]            # [S] tokens each sequence attends to after this step (its context)
-    block_tables: list[torch.Tensor]  # [S] its block ids, as many as its context needs
+    block_tables: list[torch.Tensor]  # [S] its block ids, as many as its context needs (-1: in host memory)
+    offloads: list[SeqOffload | None] = field(default_factory=list)  # [S] offloaded sequences' host blocks
 
     @property
     def num_seqs(self) -> int:
@@ -53,21 +56,31 @@ class SeqSlice:
     q_start: int               # rows of this sequence in the flat batch
     q_end: int
     index: torch.Tensor        # the arena's `context_index` of this sequence's block table
-    context_tokens: int        # tokens attended to: already computed + this step's
+    context_tokens: int        # tokens attended to on the device: already computed + this step's
+    offload: SeqOffload | None = None  # an offloaded sequence: the rest of its context is in host memory
 
 
 class SDPABackend:
     """Write the step's K/V into the arena, gather each sequence's context at full precision, SDPA."""
 
-    def __init__(self, arena) -> None:
+    def __init__(self, arena, offload: OffloadAttention | None = None) -> None:
         self.arena = arena
+        self.offload = offload
         self._seqs: list[SeqSlice] = []
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         loc = meta.query_start_loc
-        self._seqs = [SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n)
-                      for i, (table, n) in enumerate(zip(meta.block_tables, meta.seq_lens))]
+        offloads = meta.offloads or [None] * meta.num_seqs
+        self._seqs = []
+        for i, (table, n, off) in enumerate(zip(meta.block_tables, meta.seq_lens, offloads)):
+            if off is None:
+                self._seqs.append(SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n))
+            else:  # the device window only; the host blocks come through the fetch area
+                index = self.arena.context_index(table, off.key_positions.numel(), off.key_positions)
+                self._seqs.append(SeqSlice(loc[i], loc[i + 1], index, off.key_positions.numel(), off))
         self.arena.begin_step(self._seqs)
+        if self.offload is not None:
+            self.offload.plan(offloads)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
@@ -77,6 +90,12 @@ class SDPABackend:
         num_heads = key.shape[1]
         out = torch.empty_like(query)
         for s in self._seqs:
+            if s.offload is not None:
+                (_, _, k, v), = self.arena.gather(layer, s)
+                q = query[0, :, s.q_start:s.q_end]  # [Hq, n, D]
+                scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+                out[0, :, s.q_start:s.q_end] = self.offload.forward(layer, q, k, v, s.offload, scale)
+                continue
             for lo, hi, k, v in self.arena.gather(layer, s):  # k, v: [H, context of the group's last query, D]
                 q = query[:, :, s.q_start + lo:s.q_start + hi]
                 num_q, context = hi - lo, k.shape[1]
@@ -91,6 +110,8 @@ class SDPABackend:
     def end_step(self) -> None:
         self._seqs = []
         self.arena.end_step()
+        if self.offload is not None:
+            self.offload.fetch.end()
 
 
 @dataclass(slots=True)

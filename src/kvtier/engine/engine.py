@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -26,7 +28,8 @@ from kvtier.codecs import get_codec
 from kvtier.engine.arena import ARENA_CODECS, KVFormat, make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
-from kvtier.engine.scheduler import Scheduler, SchedulerOutput
+from kvtier.engine.offload import FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, block_summary, parse_offload
+from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 from kvtier.engine.transfer import KVTransfer
 
@@ -34,6 +37,15 @@ _MiB = 1 << 20
 TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
 
 log = logging.getLogger(__name__)
+
+
+class HostRoomError(ValueError):
+    """An offloaded request whose host blocks do not fit the host memory left (the message is for
+    the client). `ever` is False when it could never fit (a 400), True when others hold the room now (429)."""
+
+    def __init__(self, message: str, ever: bool) -> None:
+        super().__init__(message)
+        self.ever = ever
 
 
 class ContextLengthError(ValueError):
@@ -57,15 +69,31 @@ class EngineConfig:
     kv_codec: KVFormat = "raw"      # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
     max_model_tokens: int | None = None  # default: the model's max_position_embeddings
     synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
+    # contexts larger than the device (engine/offload.py): "off", "exact" or "sparse:BUDGET" (a fraction
+    # or a number of blocks). A request longer than the device holds keeps `offload_sink_blocks` +
+    # `offload_recent_blocks` blocks on the device, the rest pinned in the DRAM tier's memory.
+    kv_offload: str = "off"
+    offload_sink_blocks: int = 1
+    offload_recent_blocks: int = 2
+    offload_fetch_blocks: int = 0   # layer-blocks per half of the fetch area; 0: 1/8 of the budget in all
+
+    def offload_mode(self) -> OffloadMode | None:
+        return parse_offload(self.kv_offload)
 
     def __post_init__(self) -> None:
         if self.tier_writes not in get_args(TierWrites):
             raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
         if self.kv_codec not in ARENA_CODECS:
             raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
-        for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens"):
+        for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens",
+                     "offload_recent_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.offload_sink_blocks < 0 or self.offload_fetch_blocks < 0:
+            raise ValueError("offload_sink_blocks and offload_fetch_blocks must be >= 0")
+        if self.offload_mode() is not None and (self.kv_codec != "raw" or self.codec != "raw"):
+            raise ValueError(f"kv_offload needs the raw device and tier formats (kv_codec {self.kv_codec!r}, "
+                             f"codec {self.codec!r}): offloaded blocks are attended to as they are")
 
 
 @dataclass(slots=True)
@@ -78,6 +106,7 @@ class RequestOutput:
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None   # finish_reason "error": why this request failed (the others went on)
+    offload: OffloadStats | None = None  # an offloaded request (longer than the device): what it cost
 
 
 @dataclass(slots=True)
@@ -98,6 +127,13 @@ class EngineStats:
     transfer_store_seconds: float = 0.0  # ... and storing (check, encode, put)
     num_tokens_computed: int = 0    # tokens through the forward (prompts, recomputed prefixes, decodes)
     num_blocks_loaded_from_tiers: int = 0   # prefixes of new requests and of preempted ones
+    kv_offload: str = "off"         # the engine's default offload mode
+    device_kv_bytes: int = 0        # the arena + the fetch area: never above the budget
+    num_offloaded_running: int = 0  # running requests with blocks in host memory
+    host_kv_bytes: int = 0          # their KV pinned in host memory now
+    host_blocks_reserved: int = 0   # host slots set aside for the offloaded requests admitted
+    offload_fetched_bytes: int = 0  # host -> device, all offloaded requests so far
+    offload_fetch_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -106,7 +142,10 @@ class LLMEngine:
         self.manager = manager
         self.layout = loaded.kv_layout(config.block_tokens)
         device = next(loaded.model.parameters()).device
-        self.arena = make_arena(self.layout, config.device_kv_budget_bytes, config.kv_codec, device=device,
+        self.offload_mode = config.offload_mode()
+        self.fetch = self._fetch_area(manager, device) if self.offload_mode is not None else None
+        arena_budget = config.device_kv_budget_bytes - (self.fetch.nbytes if self.fetch is not None else 0)
+        self.arena = make_arena(self.layout, arena_budget, config.kv_codec, device=device,
                                 max_open_blocks=config.max_num_seqs)
         self.num_blocks = self.arena.num_blocks
         self.codec = get_codec(config.codec)
@@ -114,20 +153,47 @@ class LLMEngine:
         _require_full_attention(model_config)
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.num_blocks)
-        self.runner = ModelRunner(loaded.model, self.layout, self.arena)
+        window = config.offload_sink_blocks + config.offload_recent_blocks
+        if self.fetch is not None and window >= self.num_blocks:
+            raise ValueError(f"kv_offload: the device window ({window} blocks: {config.offload_sink_blocks} sink + "
+                             f"{config.offload_recent_blocks} recent) does not fit the {self.num_blocks} blocks the "
+                             "budget holds beside the fetch area: raise the budget or lower block_tokens")
+        self.runner = ModelRunner(loaded.model, self.layout, self.arena,
+                                  OffloadAttention(self.fetch, self.layout.num_layers) if self.fetch is not None else None)
         space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
         self.scheduler = Scheduler(
             self.block_manager, space,
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
-            prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None)
+            prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
+            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks))
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
         self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
                                     synchronous=config.synchronous_transfers) if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self.step_tier_io_seconds = 0.0
         self.num_tokens_computed = 0
+        self.host_blocks_reserved = 0
+        self.offload_fetched_bytes = 0
+        self.offload_fetch_seconds = 0.0
 
+    def _fetch_area(self, manager, device) -> FetchArea:
+        """The device memory host blocks are attended from, taken out of the budget."""
+        host = manager.host_tier() if manager is not None else None
+        if host is None:
+            raise ValueError("kv_offload needs a DRAM tier (dram:SIZE) first in the tier stack: offloaded blocks "
+                             "live in its memory")
+        layout, config = self.layout, self.config
+        layer_block_bytes = layout.block_bytes // layout.num_layers
+        half = config.offload_fetch_blocks or max(1, config.device_kv_budget_bytes // 8 // (2 * layer_block_bytes))
+        fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
+                          getattr(torch, layout.dtype), device)
+        if fetch.nbytes >= config.device_kv_budget_bytes:
+            raise ValueError(f"kv_offload: a fetch area of {fetch.nbytes:,} B does not fit the device KV budget "
+                             f"({config.device_kv_budget_bytes:,} B): lower offload_fetch_blocks")
+        fetch.host = manager.host_payloads(getattr(torch, layout.dtype), layout.block_shape)
+        self.host_slots = host.num_slots
+        return fetch
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     namespace: str = "") -> None:
@@ -139,30 +205,83 @@ class LLMEngine:
         except UnicodeEncodeError as exc:
             raise ValueError(f"the namespace (cache_salt) is not valid UTF-8: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, namespace)
+        mode = self._offload_for(len(prompt_token_ids), sampling)
+        if mode is not None:
+            need = self._host_blocks_needed(len(prompt_token_ids) + sampling.max_tokens)
+            self._check_host_room(need)
+            seq.host = HostBlocks(mode, need, stats=OffloadStats(mode=str(mode)))
+            if mode.kind == "sparse":
+                num_blocks = -(-(len(prompt_token_ids) + sampling.max_tokens) // self.layout.block_tokens)
+                seq.host.summaries = torch.zeros((num_blocks, self.layout.num_layers, self.layout.num_kv_heads, 2,
+                                                  self.layout.head_dim), dtype=getattr(torch, self.layout.dtype),
+                                                 device=self.arena.device)
+                seq.host.stats.summary_bytes = seq.host.summaries.numel() * seq.host.summaries.element_size()
+            self.host_blocks_reserved += need
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
     @property
-    def max_request_tokens(self) -> int:
-        """The longest sequence (prompt + generated) this engine can hold: context and device budget."""
-        return min(self.max_model_tokens, self.num_blocks * self.layout.block_tokens)
+    def max_device_tokens(self) -> int:
+        """The longest sequence the device holds whole (the budget); longer ones need offload."""
+        return self.num_blocks * self.layout.block_tokens
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError (a message for the client) if such a request can never run here:
-        `ContextLengthError` when prompt + max_tokens exceeds `max_request_tokens` — rejected, never
-        clamped (a caller that wants "as much as fits" asks for `max_request_tokens - prompt`)."""
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest sequence (prompt + generated) this engine can hold: the context, and the device
+        budget unless offload is on (engine default)."""
+        return self.request_token_limit(None)
+
+    def request_token_limit(self, kv_offload: str | None) -> int:
+        """`max_request_tokens` for a request asking for `kv_offload` (None: the engine's default)."""
+        offload = self.offload_mode if kv_offload is None else parse_offload(kv_offload)
+        if offload is not None and self.fetch is not None:
+            return self.max_model_tokens
+        return min(self.max_model_tokens, self.max_device_tokens)
+
+    def _offload_for(self, num_prompt_tokens: int, sampling: SamplingParams) -> OffloadMode | None:
+        """The offload mode of a request, None when it runs whole on the device (it fits, or off)."""
+        if self.fetch is None or num_prompt_tokens + sampling.max_tokens <= self.max_device_tokens:
+            return None
+        return self.offload_mode if sampling.kv_offload is None else parse_offload(sampling.kv_offload)
+
+    def _host_blocks_needed(self, num_tokens: int) -> int:
+        window = self.config.offload_sink_blocks + self.config.offload_recent_blocks
+        return max(0, -(-num_tokens // self.layout.block_tokens) - window)
+
+    def _check_host_room(self, need: int) -> None:
+        block_bytes = self.layout.block_bytes
+        if need > self.host_slots:
+            raise HostRoomError(f"host memory: this request keeps {need} blocks ({need * block_bytes:,} B) in the "
+                                f"DRAM tier, which holds {self.host_slots} blocks in all: shorten the prompt or "
+                                "max_tokens, or give the DRAM tier more memory", ever=False)
+        free = self.host_slots - self.host_blocks_reserved
+        if need > free:
+            raise HostRoomError(f"host memory: this request keeps {need} blocks ({need * block_bytes:,} B) in the "
+                                f"DRAM tier; {free} of its {self.host_slots} blocks are free now (the rest hold "
+                                "running long requests): retry later", ever=True)
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int, kv_offload: str | None = None) -> None:
+        """Raise ValueError (a message for the client) if such a request cannot run here:
+        `ContextLengthError` when prompt + max_tokens exceeds `request_token_limit` — rejected, never
+        clamped (a caller that wants "as much as fits" asks for `max_request_tokens - prompt`);
+        `HostRoomError` when an offloaded request's host blocks do not fit the host memory."""
         if num_prompt_tokens <= 0:
             raise ValueError("the prompt is empty")
         if num_prompt_tokens >= self.max_model_tokens:
             raise ContextLengthError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
                                      f"{self.max_model_tokens} tokens", "prompt")
-        num_tokens, limit = num_prompt_tokens + max_tokens, self.max_request_tokens
+        if kv_offload is not None and parse_offload(kv_offload) is not None and self.fetch is None:
+            raise ValueError("kv_offload: this server runs with offload off (start it with --kv-offload)")
+        num_tokens, limit = num_prompt_tokens + max_tokens, self.request_token_limit(kv_offload)
+        if num_tokens <= limit and num_tokens > self.max_device_tokens:
+            self._check_host_room(self._host_blocks_needed(num_tokens))
         if num_tokens <= limit:
             return
         room = max(limit - num_prompt_tokens, 0)
         where = (f"this model's context is {self.max_model_tokens} tokens" if limit == self.max_model_tokens else
                  f"the device KV budget ({self.num_blocks} blocks of {self.layout.block_tokens} tokens) "
-                 f"holds {limit} tokens per request")
+                 f"holds {limit} tokens per request" + ("" if self.fetch is not None else
+                                                         " (kv_offload serves longer ones: --kv-offload exact)"))
         param = "max_tokens" if room else "prompt"
         raise ContextLengthError(f"{where}; this request asks for {num_tokens} ({num_prompt_tokens} in the prompt "
                                  f"+ max_tokens {max_tokens}). Rejected, not clamped: "
@@ -172,6 +291,7 @@ class LLMEngine:
         """Drop a request wherever it is; False if it is not (or no longer) in the engine."""
         seq = self.scheduler.abort(request_id)
         self._forget(request_id)
+        self._unpin()
         return seq is not None
 
     def request_ids(self) -> list[str]:
@@ -200,6 +320,7 @@ class LLMEngine:
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
+        self._unpin()
         self.arena.prune(lambda block_id: self.block_manager.ref_counts[block_id] > 0)
         return outputs
 
@@ -227,12 +348,36 @@ class LLMEngine:
         return [seq for seq in failed if seq is not None]
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
-        # an evicted block is copied out before the forward writes into its slot (reallocated this step).
+        # blocks leaving an offloaded sequence's device window go to host memory before anything
+        # reuses their slots; an evicted block is copied out before the forward writes into its slot.
+        for offload in out.offloads:
+            self._offload_block(offload)
         # Tier loads only read the tiers now; their blocks are written by a later step's _finish_loads.
         for job in out.loads:
             self.transfer.load(job)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
+
+    def _offload_block(self, offload: Offload) -> None:
+        """Pin a block of an offloaded sequence in host memory (where DRAM holds it already, else
+        copied from the device), with its key summary for sparse attention."""
+        seq, host = offload.seq, offload.seq.host
+        slot = self.manager.pin_host(offload.key, None)
+        if slot is None:
+            data = self.codec.encode(self.arena.block_tensor(offload.block_id), offload.key)
+            slot = self.manager.pin_host(offload.key, data)
+        if slot is None:
+            raise RuntimeError(f"host memory could not hold a block of request {seq.request_id}")
+        if host.summaries is not None:
+            host.summaries[len(host.slots)] = block_summary(self.arena.k_cache[:, offload.block_id])
+        host.slots.append(slot)
+        host.keys.append(offload.key)
+        host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
+
+    def _unpin(self) -> None:
+        keys = self.scheduler.take_unpinned()
+        if keys:
+            self.manager.unpin_host(keys)
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Let the scheduler run the sequences whose tier loads finished. Blocks the worker returned
@@ -272,12 +417,26 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_token_ids = [] if seq.finish_reason == "error" else [seq.token_ids[-1]]
+        offload = None
+        if seq.host is not None:
+            stats = seq.host.stats
+            stats.peak_device_kv_bytes = max(stats.peak_device_kv_bytes,
+                                             sum(1 for b in seq.block_ids if b >= 0) * self.arena.block_bytes)
+            if new_token_ids and seq.num_generated_tokens > 1:
+                stats.num_decode_tokens += 1
+            offload = OffloadStats(**{name: getattr(stats, name) for name in OffloadStats.__slots__})
         return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason is not None, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier), seq.error)
+                             seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier), seq.error,
+                             offload)
 
     def _forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+        seq = self._seqs.pop(request_id, None)
         self.runner.forget(request_id)
+        if seq is not None and seq.host is not None:
+            self.host_blocks_reserved -= seq.host.reserved_blocks
+            self.offload_fetched_bytes += seq.host.stats.fetched_bytes
+            self.offload_fetch_seconds += seq.host.stats.fetch_seconds
+            seq.host.reserved_blocks = 0
 
     # -- tiers and introspection -------------------------------------------------------------------
     def flush_to_tiers(self) -> int:
@@ -298,6 +457,8 @@ class LLMEngine:
         """Finish pending tier writes and stop the transfer worker (the manager stays open)."""
         if self.transfer is not None:
             self.transfer.close()
+        if self.fetch is not None:
+            self.fetch.close()
 
     def stats(self) -> EngineStats:
         s, bm = self.scheduler, self.block_manager
@@ -307,7 +468,20 @@ class LLMEngine:
                            ts.num_blocks_written if ts else 0, dict(s.prefix_hit_tokens_by_tier), self.arena.codec,
                            self.arena.block_bytes, len(s.loading), self.step_tier_io_seconds,
                            ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0,
-                           self.num_tokens_computed, ts.num_blocks_loaded if ts else 0)
+                           self.num_tokens_computed, ts.num_blocks_loaded if ts else 0,
+                           str(self.offload_mode or "off"), self.device_kv_bytes, *self._offload_now())
+
+    @property
+    def device_kv_bytes(self) -> int:
+        """What the device KV takes: the arena and the fetch area, allocated once within the budget."""
+        return self.arena.nbytes + (self.fetch.nbytes if self.fetch is not None else 0)
+
+    def _offload_now(self) -> tuple[int, int, int, int, float]:
+        running = [seq for seq in self._seqs.values() if seq.host is not None and seq.host.slots]
+        live = [seq.host.stats for seq in self._seqs.values() if seq.host is not None]
+        return (len(running), sum(len(seq.host.slots) for seq in running) * self.layout.block_bytes,
+                self.host_blocks_reserved, self.offload_fetched_bytes + sum(s.fetched_bytes for s in live),
+                self.offload_fetch_seconds + sum(s.fetch_seconds for s in live))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, namespace: str = "") -> list[list[int]]:
         """Run prompts to completion together; the generated token ids of each (offline use, tests)."""

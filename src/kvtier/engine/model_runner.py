@@ -15,6 +15,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.engine.arena import Arena
 from kvtier.engine.attention import AttentionMetadata, PagedStep, SDPABackend, paged_model
+from kvtier.engine.offload import OffloadAttention, SeqOffload, window_positions
 from kvtier.engine.sampler import sample
 from kvtier.engine.scheduler import ScheduledChunk
 
@@ -28,13 +29,15 @@ class RunOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: Arena) -> None:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: Arena,
+                 offload: OffloadAttention | None = None) -> None:
         self.model = paged_model(model)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.layout = layout
         self.arena = arena  # the whole device KV budget, allocated once
-        self.backend = SDPABackend(arena)  # the CPU path; a paged CUDA kernel would read the same metadata
+        # the CPU path; a paged CUDA kernel would read the same metadata
+        self.backend = SDPABackend(arena, offload)
         self.device = arena.device
         self._generators: dict[str, torch.Generator] = {}
 
@@ -59,7 +62,7 @@ class ModelRunner:
         """The step's flat batch and its attention metadata, built once."""
         block_tokens = self.layout.block_tokens
         token_ids, positions, slot_blocks, slot_offsets, last_rows = [], [], [], [], []
-        query_start_loc, seq_lens, block_tables = [0], [], []
+        query_start_loc, seq_lens, block_tables, offloads = [0], [], [], []
         as_long = dict(dtype=torch.long, device=self.device)
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
@@ -70,11 +73,23 @@ class ModelRunner:
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
             block_tables.append(torch.tensor(seq.block_ids[:-(-end // block_tokens)], **as_long))
+            offloads.append(None if seq.host is None else self._offload(seq, start, end, as_long))
             if end == seq.num_tokens:
                 last_rows.append((seq, len(token_ids) - 1))
         meta = AttentionMetadata(torch.tensor(slot_blocks, **as_long), torch.tensor(slot_offsets, **as_long),
-                                 query_start_loc, seq_lens, block_tables)
+                                 query_start_loc, seq_lens, block_tables,
+                                 offloads if any(o is not None for o in offloads) else [])
         return (meta, torch.tensor([token_ids], **as_long), torch.tensor([positions], **as_long), last_rows)
+
+    def _offload(self, seq, start: int, end: int, as_long: dict) -> SeqOffload:
+        """An offloaded sequence's step: its host blocks, its device window's positions."""
+        host = seq.host
+        n = len(host.slots)
+        return SeqOffload(host.mode, torch.tensor(host.slots, dtype=torch.long),
+                          host.summaries[:n] if host.summaries is not None else None,
+                          torch.arange(start, end, device=self.device),
+                          torch.tensor(window_positions(seq.block_ids, self.layout.block_tokens, end), **as_long),
+                          end - start == 1, host.stats)
 
     def _sample(self, seqs: list, logits: torch.Tensor) -> RunOutput:
         """One batched op; if it raises, each row alone, so only the rows that fail are errors."""

@@ -48,12 +48,25 @@ class SchedulerOutput:
     loads: list[LoadJob] = field(default_factory=list)                    # tier blocks -> device blocks (async)
     preempted: list[str] = field(default_factory=list)                    # request ids sent back to waiting
     failed: list[Sequence] = field(default_factory=list)                  # refused at admission (finished: error)
+    offloads: list[Offload] = field(default_factory=list)                 # device blocks -> host memory (before the forward)
+
+
+@dataclass(slots=True)
+class Offload:
+    """A full block of an offloaded sequence leaves its device window for host memory: copy it out
+    of `block_id` (already released: reused after this step's copies) and pin it under `key`."""
+
+    seq: Sequence
+    index: int        # its place in the sequence (host block index + sink blocks)
+    key: bytes
+    block_id: int
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
                  max_prefill_tokens: int = 512, max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
-                 prefix_caching: bool = True, match_tiers: MatchTiers | None = None) -> None:
+                 prefix_caching: bool = True, match_tiers: MatchTiers | None = None,
+                 offload_window: tuple[int, int] = (1, 2)) -> None:
         self.block_manager = block_manager
         self.space = space
         self.block_tokens = space.layout.block_tokens
@@ -73,6 +86,9 @@ class Scheduler:
         self.prefix_hit_tokens_by_tier: dict[str, int] = {}
         self._newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since `take_newly_full`
         self._spaces: dict[str, KeySpace] = {}
+        # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (engine/offload.py)
+        self.sink_blocks, self.recent_blocks = offload_window
+        self._unpinned: list[bytes] = []  # host blocks of offloaded sequences that ended or were preempted
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -121,6 +137,10 @@ class Scheduler:
             if budget <= 0:
                 break
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.host is not None:
+                num_tokens = self._window_chunk(seq, num_tokens, out)
+                if not num_tokens:
+                    continue  # no device block free for its window now: a later step
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
         if not out.preempted:  # a sequence just preempted is not readmitted into the blocks it freed
@@ -135,7 +155,8 @@ class Scheduler:
             seq = queue.pop(0)
             if seq.num_tokens - seq.num_computed_tokens != 1:
                 continue  # still in prefill: blocks were allocated at admission
-            while not self._reserve_blocks(seq, seq.num_tokens, out):
+            while not (self._window_chunk(seq, 1, out) if seq.host is not None
+                       else self._reserve_blocks(seq, seq.num_tokens, out)):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out)
                 if victim is seq:
@@ -153,6 +174,30 @@ class Scheduler:
         for _ in range(num_new):
             seq.block_ids.append(self._allocate(out))
         return True
+
+    def _window_chunk(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> int:
+        """An offloaded sequence computes tokens [start, start + n): its device window becomes the sink
+        blocks and the last `recent_blocks` through the chunk's end; the full blocks in between leave
+        for host memory (`out.offloads`). n is capped so the chunk's blocks fit the recent window.
+        Returns n, or 0 (nothing changed) when its new blocks cannot be allocated."""
+        t, start = self.block_tokens, seq.num_computed_tokens
+        end = min(start + num_tokens, (start // t + self.recent_blocks) * t)
+        last = -(-end // t)
+        first_recent = max(self.sink_blocks, last - self.recent_blocks)
+        leaving = [i for i in range(self.sink_blocks, min(first_recent, len(seq.block_ids))) if seq.block_ids[i] >= 0]
+        num_new = last - len(seq.block_ids)
+        bm = self.block_manager
+        num_freed = sum(1 for i in leaving if bm.ref_counts[seq.block_ids[i]] == 1)  # shared ones stay used
+        if not bm.can_allocate(num_new - num_freed):
+            return 0
+        for i in leaving:  # full and computed (i < start // t), so keyed; in order, after those already out
+            assert i == self.sink_blocks + len(seq.host) + sum(1 for o in out.offloads if o.seq is seq), i
+            out.offloads.append(Offload(seq, i, seq.block_keys[i], seq.block_ids[i]))
+            self.block_manager.release([seq.block_ids[i]])
+            seq.block_ids[i] = -1
+        for _ in range(num_new):
+            seq.block_ids.append(self._allocate(out))
+        return end - start
 
     def _allocate(self, out: SchedulerOutput) -> int:
         block_id, evicted = self.block_manager.allocate()
@@ -173,8 +218,8 @@ class Scheduler:
         seq.block_keys = []
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
-        self.block_manager.release(seq.block_ids)
-        seq.block_ids = []
+        self._release_blocks(seq)
+        out.offloads = [o for o in out.offloads if o.seq is not seq]  # its KV is dropped, not moved
 
     # -- admission -------------------------------------------------------------------------------
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -191,6 +236,8 @@ class Scheduler:
             if seq.status is SeqStatus.WAITING_FOR_KV:
                 continue  # computes nothing until its tier blocks are in
             num_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.host is not None and not (num_tokens := self._window_chunk(seq, num_tokens, out)):
+                continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
 
@@ -198,6 +245,8 @@ class Scheduler:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks; False if they do not fit.
         With blocks to load from the tiers it is parked in `loading` (WAITING_FOR_KV), else RUNNING.
         Nothing changes before the last call that can raise (`match_tiers`)."""
+        if seq.host is not None:
+            return self._admit_offloaded(seq, out)
         bm, block_tokens = self.block_manager, self.block_tokens
         keys = block_keys(self._space(seq.namespace), seq.token_ids)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
@@ -224,6 +273,17 @@ class Scheduler:
             self.loading[seq.request_id] = seq
         else:
             self._start_running(seq)
+        return True
+
+    def _admit_offloaded(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A sequence longer than the device: admitted once its whole window fits beside the other
+        active sequences' reserve; its prompt is computed from the start (no prefix reuse yet), chunk
+        by chunk, its blocks allocated per chunk (`_window_chunk`)."""
+        window = self.sink_blocks + self.recent_blocks
+        if self.block_manager.num_free_blocks < window + self.num_active:
+            return False
+        seq.block_ids, seq.block_keys, seq.num_computed_tokens = [], [], 0
+        self._start_running(seq)
         return True
 
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
@@ -311,8 +371,20 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.block_manager.release(seq.block_ids)
+    def _release_blocks(self, seq: Sequence) -> None:
+        """Free its device blocks; its host blocks (offloaded) go to `take_unpinned` (the engine unpins)."""
+        self.block_manager.release([b for b in seq.block_ids if b >= 0])
         seq.block_ids = []
+        if seq.host is not None and seq.host.slots:
+            self._unpinned += seq.host.keys
+            seq.host.slots, seq.host.keys = [], []
+
+    def take_unpinned(self) -> list[bytes]:
+        """Keys of host blocks no sequence needs any more (finished, aborted, preempted)."""
+        taken, self._unpinned = self._unpinned, []
+        return taken
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._release_blocks(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

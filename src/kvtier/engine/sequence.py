@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.engine.offload import HostBlocks
 
 # what torch.Generator.manual_seed accepts (negative seeds are mapped onto the unsigned range)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
@@ -21,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    kv_offload: str | None = None  # "off" | "exact" | "sparse:BUDGET"; None: the engine's default (engine/offload.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
@@ -31,6 +36,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
+        if self.kv_offload is not None:
+            from kvtier.engine.offload import parse_offload
+
+            parse_offload(self.kv_offload)  # ValueError naming the accepted forms
 
 
 class SeqStatus(enum.Enum):
@@ -48,8 +57,8 @@ class Sequence:
     sampling: SamplingParams
     namespace: str = ""
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0      # tokens whose KV is in the device blocks
-    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0      # tokens whose KV is computed (in device blocks, or host blocks if offloaded)
+    block_ids: list[int] = field(default_factory=list)  # -1: a block in host memory (offloaded sequences)
     block_keys: list[bytes] = field(default_factory=list)  # keys of the full, computed blocks (a prefix of block_ids)
     num_cached_tokens: int = 0        # prompt tokens found cached at (first) admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
@@ -57,6 +66,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None          # why it failed (finish_reason "error")
     admitted: bool = False
+    host: "HostBlocks | None" = None  # offloaded (longer than the device holds): its middle blocks in host memory
 
     @property
     def num_tokens(self) -> int:

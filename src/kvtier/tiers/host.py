@@ -19,18 +19,28 @@ brings the tier back.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
 import numpy as np
 import torch
 
+from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify_header
 from kvtier.index import LRUIndex
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
+
+
+def _header_matches(buf, key: bytes) -> bool:
+    try:
+        verify_header(buf, key)
+    except CorruptBlockError:
+        return False
+    return True
 
 
 class HostTier:
@@ -114,6 +124,55 @@ class HostTier:
 
     def num_leased(self) -> int:
         return int(np.count_nonzero(self._slot_pins))
+
+    # -- resident blocks (engine/offload.py: the live KV of a sequence longer than the device) -------
+    def pin(self, key: bytes, data: bytes | None) -> tuple[int | None, list[tuple[bytes, bytes]]]:
+        """Lease `key`'s slot for as long as a running sequence needs it (`release([key])` ends it):
+        the block already here is checked by its key-bound header (it never left this process); one
+        that is not is stored from `data` first. Returns (slot or None when it cannot be held: not here
+        and no data, bad header, oversize, every slot leased), and the blocks evicted to make room."""
+        evicted: list[tuple[bytes, bytes]] = []
+        with self._lock:
+            slot = self._key_to_slot.get(key)
+            if slot is not None and not _header_matches(self._slot(slot), key):
+                log.warning("dram tier: block %s failed its header check; replaced", key.hex()[:12])
+                self.stats.corrupt += 1
+                self._lru.pop(key)
+                del self._key_to_slot[key]
+                if self._slot_pins[slot]:  # a reader still holds a view: freed at its last release
+                    self._orphans.add(slot)
+                    self._lru.capacity = self.num_slots - len(self._orphans)
+                else:
+                    self._free_slots.append(slot)
+                slot = None
+            if slot is None:
+                if data is None or len(data) > self.slot_bytes:
+                    return None, evicted
+                evicted = self._put(key, data)
+                slot = self._key_to_slot.get(key)
+                if slot is None:
+                    return None, evicted
+            self._lru.touch(key)
+            self._slot_pins[slot] += 1
+            self._leases.add(key, slot)
+            return slot, evicted
+
+    def num_pinnable_slots(self) -> int:
+        """Slots no lease holds: what `pin` can still hold at once."""
+        return self.num_slots - self.num_leased() - len(self._orphans)
+
+    def slot_payloads(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """`[num_slots, *shape]` typed view of every slot's payload (after the 64-byte header): a pinned
+        slot's block is row `slot`. Read-only use: only `pin`/`put_many` write slots."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if self.slot_bytes % itemsize or HEADER_BYTES % itemsize:
+            raise ValueError(f"slots of {self.slot_bytes} B do not align to {dtype}")
+        per_slot = self.slot_bytes // itemsize
+        numel = math.prod(shape)
+        if HEADER_BYTES // itemsize + numel > per_slot:
+            raise ValueError(f"a payload of shape {shape} does not fit a slot of {self.slot_bytes} B")
+        rows = self._arena.view(dtype).view(self.num_slots, per_slot)
+        return rows[:, HEADER_BYTES // itemsize:HEADER_BYTES // itemsize + numel].unflatten(1, shape)
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """Store blocks; returns the evicted (key, data), least recently used first."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
+from kvtier.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +392,37 @@ class TierManager:
     def flush(self) -> None:
         if self._queue is not None:
             self._queue.join()
+
+    # -- resident host memory: the live KV of sequences longer than the device (engine/offload.py) --
+    def host_tier(self) -> HostTier | None:
+        """This process's DRAM tier (the top one), if there is one: the host memory offload uses."""
+        top = self.tiers[0]
+        return top if isinstance(top, HostTier) else None
+
+    def pin_host(self, key: bytes, data: bytes | None) -> int | None:
+        """Hold `key`'s block in a DRAM slot until `unpin_host([key])`: its slot, or None when it cannot
+        be held (no DRAM tier, every slot pinned). A block DRAM already holds (written through when it
+        was computed) is pinned where it is, checked by its key-bound header; else `data` is stored.
+        Blocks evicted to make room are demoted like any eviction."""
+        host = self.host_tier()
+        if host is None:
+            return None
+        with self._write_locks[id(host)], self._read_locks[id(host)]:
+            slot, evicted = host.pin(key, data)
+        if evicted and len(self.tiers) > 1:
+            self._enqueue(evicted)
+        if slot is not None and data is not None and len(self.tiers) > 1:
+            self._enqueue([(key, data)])  # write-through, as put_many (a no-op below where it is held)
+        return slot
+
+    def host_payloads(self, dtype, shape: tuple[int, ...]):
+        """`[num_slots, *shape]` typed view of the DRAM slots' payloads: a pinned block is row `slot`."""
+        return self.host_tier().slot_payloads(dtype, shape)
+
+    def unpin_host(self, keys: list[bytes]) -> None:
+        host = self.host_tier()
+        if host is not None and keys:
+            host.release(keys)
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:

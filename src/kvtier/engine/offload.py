@@ -1,0 +1,328 @@
+"""Contexts larger than the device: the live KV of a long sequence, its cold blocks in host memory.
+
+A sequence whose prompt + max_tokens is more than the device budget holds (issue 18) keeps only a
+*window* of its blocks in the device arena: the first `sink_blocks` (attention sinks, StreamingLLM)
+and the last `recent_blocks` (the block being written and the ones just before it). Every full
+block between them lives in host memory — a pinned slot of the DRAM tier (`TierManager.pin_host`:
+one host memory, the same slots prefix caching uses; a block written through when it was computed
+is pinned where it already is, checked by its key-bound header). Attention over the middle runs
+from a fixed *fetch area* on the device (counted in the device budget, two halves):
+
+- `exact`: every host block of the sequence, layer by layer, in pieces of half the fetch area; a
+  background thread fetches piece i + 1 (the next layer's, or the next sequence's) while piece i is
+  attended to. Output is the attention over the whole context: the pieces are merged by their
+  log-sum-exp (FlashAttention's merge), the device window with its causal mask.
+- `sparse` (a budget in blocks, or a fraction of the host blocks): at each decode step and layer, a
+  per-block summary kept on the device (Quest: per-channel min and max of the block's keys, an upper
+  bound of q.k for any key in it) scores the host blocks for each KV head (the max over its group's
+  query heads); only the top blocks of each head are fetched. Prefill chunks are always exact.
+
+Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
+Summaries (2 x head_dim values per layer, KV head and block) are device memory too, reported
+apart from the KV (`OffloadStats.summary_bytes`). On CUDA the fetch is a gather on the host into
+the device fetch area on the current stream (correct, not overlapped: no GPU was there to test a
+side stream); on the CPU it overlaps on a thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Literal
+
+import torch
+
+OffloadKind = Literal["exact", "sparse"]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadMode:
+    """How a long sequence attends to its host blocks: all of them (`exact`), or a budget (`sparse`):
+    `budget` < 1 is a fraction of its host blocks, >= 1 a number of blocks (per layer and KV head)."""
+
+    kind: OffloadKind
+    budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "sparse"):
+            raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET', got {self.kind!r}")
+        if self.kind == "sparse" and not (self.budget > 0 and math.isfinite(self.budget)
+                                          and (self.budget < 1 or self.budget == int(self.budget))):
+            raise ValueError("a sparse budget is a fraction in (0, 1) or a whole number of blocks, "
+                             f"got {self.budget}")
+
+    def num_fetched(self, num_host_blocks: int) -> int:
+        """Host blocks attended to per layer and KV head."""
+        if self.kind == "exact" or num_host_blocks == 0:
+            return num_host_blocks
+        wanted = math.ceil(self.budget * num_host_blocks) if self.budget < 1 else int(self.budget)
+        return max(1, min(num_host_blocks, wanted))
+
+    def __str__(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        budget = self.budget if self.budget >= 1 else Fraction(self.budget).limit_denominator(1024)
+        return f"sparse:{int(budget) if self.budget >= 1 else budget}"
+
+
+def parse_offload(text: str | None) -> OffloadMode | None:
+    """`off` (None), `exact`, `sparse:0.125`, `sparse:1/8` or `sparse:16` (blocks). ValueError otherwise."""
+    text = (text or "off").strip().lower()
+    if text in ("off", "none", ""):
+        return None
+    if text == "exact":
+        return OffloadMode("exact")
+    kind, _, budget = text.partition(":")
+    if kind != "sparse" or not budget:
+        raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 or a number of "
+                         f"blocks), got {text!r}")
+    try:
+        value = float(Fraction(budget))
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"kv_offload: bad sparse budget {budget!r} (0.125, 1/8 or a number of blocks)") from None
+    return OffloadMode("sparse", value)
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """One offloaded request: what its long context cost the device and the host link."""
+
+    mode: str = ""
+    peak_device_kv_bytes: int = 0   # its device window (blocks in the arena) at its largest
+    host_kv_bytes: int = 0          # its KV in host memory now (at the end: at its largest)
+    summary_bytes: int = 0          # its block summaries on the device (sparse)
+    fetched_bytes: int = 0          # host -> device, all steps
+    fetch_seconds: float = 0.0      # waiting for fetches on the step thread (not hidden by compute)
+    num_decode_tokens: int = 0
+    decode_fetched_bytes: int = 0   # fetched by decode steps (for bytes per decode token)
+
+    @property
+    def fetched_bytes_per_token(self) -> float:
+        return self.decode_fetched_bytes / self.num_decode_tokens if self.num_decode_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "peak_device_kv_bytes": self.peak_device_kv_bytes,
+                "host_kv_bytes": self.host_kv_bytes, "summary_bytes": self.summary_bytes,
+                "fetched_bytes": self.fetched_bytes, "fetched_bytes_per_decode_token": self.fetched_bytes_per_token,
+                "fetch_seconds": self.fetch_seconds}
+
+
+@dataclass(slots=True)
+class HostBlocks:
+    """A sequence's blocks in host memory: logical blocks sink_blocks .. sink_blocks + len - 1."""
+
+    mode: OffloadMode
+    reserved_blocks: int                  # host slots set aside for it at admission (its longest need)
+    slots: list[int] = field(default_factory=list)    # the DRAM slot of each (pinned)
+    keys: list[bytes] = field(default_factory=list)
+    summaries: torch.Tensor | None = None  # [capacity, L, H, 2, D] key min / max per block (sparse)
+    stats: OffloadStats = field(default_factory=OffloadStats)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(slots=True)
+class SeqOffload:
+    """What the attention needs of one offloaded sequence in this step (built by the runner)."""
+
+    mode: OffloadMode
+    slots: torch.Tensor            # [n] long: the host slots of its middle blocks, in order
+    summaries: torch.Tensor | None  # [n, L, H, 2, D]
+    q_positions: torch.Tensor      # [num queries] positions of this step's tokens
+    key_positions: torch.Tensor    # [device context] positions of the keys `arena.gather` returns
+    decode: bool                   # one query: sparse applies (prefill chunks are exact)
+    stats: OffloadStats
+
+
+def window_positions(block_ids: list[int], block_tokens: int, end: int) -> list[int]:
+    """Positions (< end) of the tokens in device blocks (block id >= 0) of a block table."""
+    positions: list[int] = []
+    for i, block_id in enumerate(block_ids):
+        if block_id >= 0 and i * block_tokens < end:
+            positions += range(i * block_tokens, min((i + 1) * block_tokens, end))
+    return positions
+
+
+def block_summary(k_block: torch.Tensor) -> torch.Tensor:
+    """k_block [L, H, T, D] -> [L, H, 2, D]: per-channel min and max over the block's tokens (Quest)."""
+    return torch.stack([k_block.amin(dim=2), k_block.amax(dim=2)], dim=2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [H, G, N, D] (G query heads per KV head) over k, v [H, M, D], with its
+    log-sum-exp: (out [H, G, N, D], lse [H, G, N]). `mask` [N, M]: True where a key may be seen."""
+    scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [H, G, N, M]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs, v.unsqueeze(1)), lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial attentions over disjoint keys -> the attention over both (by log-sum-exp)."""
+    total = torch.logaddexp(lse, lse2)
+    return (out * torch.exp(lse - total).unsqueeze(-1) + out2 * torch.exp(lse2 - total).unsqueeze(-1)), total
+
+
+class FetchArea:
+    """The device memory host blocks are attended from: two halves of `half_blocks` layer-blocks
+    `[2, H, T, D]` each. Exact fetches run one piece ahead on a thread (CPU), so piece i + 1 lands in
+    one half while piece i is attended to from the other."""
+
+    def __init__(self, half_blocks: int, num_kv_heads: int, block_tokens: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        if half_blocks <= 0:
+            raise ValueError("the fetch area must hold at least one layer-block per half")
+        self.half_blocks = half_blocks
+        self.block_shape = (2, num_kv_heads, block_tokens, head_dim)
+        self.buffer = torch.zeros((2, half_blocks, *self.block_shape), dtype=dtype, device=device)
+        self.device = device
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch") if device.type == "cpu" else None
+        self._plan: list[tuple[int, torch.Tensor]] = []   # exact pieces, in the order they are attended to
+        self._next = 0                                     # index of the next piece to take
+        self._pending: Future | None = None
+        self.host: torch.Tensor | None = None              # [num_slots, L, 2, H, T, D] view of the DRAM slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    # -- exact: a plan of pieces, fetched one ahead ---------------------------------------------
+    def begin(self, plan: list[tuple[int, torch.Tensor]]) -> None:
+        """`plan`: (layer, host slots) per piece (at most `half_blocks` slots), in attention order."""
+        self._plan, self._next, self._pending = plan, 0, None
+        if plan:
+            self._pending = self._submit(0)
+
+    def take(self) -> tuple[torch.Tensor, float]:
+        """The next planned piece [n, 2, H, T, D] (in the fetch area), and the seconds waited for it."""
+        i = self._next
+        start = time.perf_counter()
+        piece = self._pending.result() if self._pending is not None else self._fetch(i)
+        waited = time.perf_counter() - start
+        self._next += 1
+        self._pending = self._submit(self._next) if self._next < len(self._plan) else None
+        return piece, waited
+
+    def _submit(self, i: int) -> Future | None:
+        if self._pool is None:
+            return None  # CUDA: fetched at take() on the current stream
+        return self._pool.submit(self._fetch, i)
+
+    def _fetch(self, i: int) -> torch.Tensor:
+        layer, slots = self._plan[i]
+        return self.gather(layer, slots, half=i % 2)
+
+    def gather(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
+        """Layer `layer` of the host blocks in `slots` into one half: [n, 2, H, T, D]."""
+        n = slots.numel()
+        assert n <= self.half_blocks, (n, self.half_blocks)
+        out = self.buffer[half, :n]
+        host_layer = self.host[:, layer]  # [num_slots, 2, H, T, D], strided over the slots
+        if self.device.type == "cpu":
+            torch.index_select(host_layer, 0, slots, out=out)
+        else:
+            out.copy_(host_layer.index_select(0, slots), non_blocking=False)
+        return out
+
+    def spare_half(self) -> int:
+        """The half no exact piece is being fetched into now (sparse fetches go there)."""
+        return (self._next + 1) % 2 if self._pending is not None else self._next % 2
+
+    def gather_heads(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
+        """Sparse: slots [k, H] (each KV head its own blocks) -> [H, k, 2, T, D] in one half."""
+        k, h = slots.shape
+        assert k <= self.half_blocks, (k, self.half_blocks)
+        out = self.buffer[half, :k].view(h, k, 2, *self.block_shape[2:])
+        host_layer = self.host[:, layer]  # [num_slots, 2, H, T, D]
+        heads = torch.arange(h, device=slots.device)
+        out.copy_(host_layer[slots.T, :, heads[:, None]])  # [H, k, 2, T, D]
+        return out
+
+    def end(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._plan, self._pending = [], None
+
+    def close(self) -> None:
+        self.end()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+class OffloadAttention:
+    """Attention of an offloaded sequence: its device window (sinks + recent, from the arena) and
+    its host blocks (through the fetch area), merged by log-sum-exp."""
+
+    def __init__(self, fetch: FetchArea, num_layers: int) -> None:
+        self.fetch = fetch
+        self.num_layers = num_layers
+
+    def plan(self, offloads: list[SeqOffload | None]) -> None:
+        """Before the forward: every exact piece of the step in attention order (layer, then sequence)."""
+        plan = []
+        half = self.fetch.half_blocks
+        for layer in range(self.num_layers):
+            for off in offloads:
+                if off is None or not off.slots.numel() or self._sparse(off):
+                    continue
+                plan += [(layer, off.slots[i:i + half]) for i in range(0, off.slots.numel(), half)]
+        self.fetch.begin(plan)
+
+    @staticmethod
+    def _sparse(off: SeqOffload) -> bool:
+        return off.mode.kind == "sparse" and off.decode and off.mode.num_fetched(off.slots.numel()) < off.slots.numel()
+
+    def forward(self, layer: int, q: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor, off: SeqOffload,
+                scale: float) -> torch.Tensor:
+        """q [Hq, N, D]; k_dev, v_dev [H, M, D] (the device window) -> out [Hq, N, D]."""
+        h = k_dev.shape[0]
+        hq, n, d = q.shape
+        q4 = q.view(h, hq // h, n, d)
+        mask = off.key_positions[None, :] <= off.q_positions[:, None]
+        out, lse = attend(q4, k_dev, v_dev, mask, scale)
+        if off.slots.numel():
+            pieces = self._sparse_pieces(layer, q4, off) if self._sparse(off) else self._exact_pieces(off)
+            for k_host, v_host in pieces:
+                out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
+        return out.view(hq, n, d)
+
+    def _exact_pieces(self, off: SeqOffload):
+        num_pieces = -(-off.slots.numel() // self.fetch.half_blocks)
+        for _ in range(num_pieces):
+            piece, waited = self.fetch.take()  # [n, 2, H, T, D]
+            self._count(off, piece, waited)
+            h, d = piece.shape[2], piece.shape[4]
+            yield (piece[:, 0].transpose(0, 1).reshape(h, -1, d), piece[:, 1].transpose(0, 1).reshape(h, -1, d))
+
+    def _sparse_pieces(self, layer: int, q4: torch.Tensor, off: SeqOffload):
+        """Score the host blocks by Quest's bound for each KV head, fetch the top ones."""
+        summary = off.summaries[:, layer]  # [n, H, 2, D]
+        q = q4[:, :, -1]  # [H, G, D] (decode: one query)
+        bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
+        scores = bound.amax(-1)  # [n, H]
+        k = off.mode.num_fetched(off.slots.numel())
+        top = scores.topk(k, dim=0).indices.sort(dim=0).values  # [k, H], in context order
+        slots = off.slots[top]  # [k, H]
+        half_blocks = self.fetch.half_blocks
+        for i in range(0, k, half_blocks):
+            start = time.perf_counter()
+            piece = self.fetch.gather_heads(layer, slots[i:i + half_blocks], self.fetch.spare_half())  # [H, k', 2, T, D]
+            self._count(off, piece, time.perf_counter() - start)
+            h, d = piece.shape[0], piece.shape[-1]
+            yield piece[:, :, 0].reshape(h, -1, d), piece[:, :, 1].reshape(h, -1, d)
+
+    @staticmethod
+    def _count(off: SeqOffload, piece: torch.Tensor, seconds: float) -> None:
+        num_bytes = piece.numel() * piece.element_size()
+        off.stats.fetched_bytes += num_bytes
+        off.stats.fetch_seconds += seconds
+        if off.decode:
+            off.stats.decode_fetched_bytes += num_bytes
