@@ -1,0 +1,216 @@
+"""Contexts larger than the device (issue 18): an offloaded request keeps sinks + a recent window on
+the device and its middle blocks pinned in the DRAM tier; exact mode == everything on the device."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.codecs import get_codec
+from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
+from kvtier.engine.engine import ContextLengthError, HostRoomError
+from kvtier.engine.offload import OffloadMode, attend, merge, parse_offload
+from kvtier.engine.scheduler import SchedulerOutput
+from kvtier.tiers.manager import build_manager
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_support import reference  # noqa: E402
+
+BLOCK = 8
+NEW = 24
+DEVICE_BLOCKS = 8  # 64 tokens of budget, the fetch area included: every prompt below is longer
+
+
+@pytest.fixture(scope="module")
+def long_prompts():
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (61, 75, 90)]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_model, long_prompts):
+    return [reference(tiny_model.model, p, NEW) for p in long_prompts]
+
+
+def make(model, mode="exact", dram="64MiB", **kwargs):
+    layout = model.kv_layout(BLOCK)
+    manager = build_manager([f"dram:{dram}"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    kwargs.setdefault("max_prefill_tokens", 16)
+    kwargs.setdefault("offload_fetch_blocks", 3)
+    config = EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * layout.block_bytes, block_tokens=BLOCK,
+                          kv_offload=mode, **kwargs)
+    return LLMEngine(model, config, manager), manager
+
+
+def drain(engine):
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def test_exact_offload_equals_everything_on_the_device(tiny_model, long_prompts, refs):
+    engine, manager = make(tiny_model)
+    budget = engine.config.device_kv_budget_bytes
+    assert engine.device_kv_bytes <= budget  # arena + fetch area, allocated once
+    for i, prompt in enumerate(long_prompts):  # all at once: they share the device window and fetch area
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW))
+    outputs = drain(engine)
+    window_bytes = (1 + 2) * engine.arena.block_bytes
+    for i, ref in enumerate(refs):
+        assert [t for o in outputs[str(i)] for t in o.new_token_ids] == ref
+        stats = outputs[str(i)][-1].offload
+        assert stats is not None and stats.mode == "exact"
+        assert 0 < stats.peak_device_kv_bytes <= window_bytes
+        # every host block was fetched for every layer of every decode step
+        n_tokens = len(long_prompts[i]) + NEW
+        assert stats.host_kv_bytes == (-(-n_tokens // BLOCK) - 3) * engine.layout.block_bytes or \
+            stats.host_kv_bytes == (n_tokens // BLOCK - 3) * engine.layout.block_bytes
+    host = manager.host_tier()
+    assert host.num_leased() == 0 and engine.host_blocks_reserved == 0
+    assert engine.stats().num_device_blocks_used == 0
+    engine.close()
+    manager.close()
+
+
+def test_sparse_with_every_block_in_budget_is_exact(tiny_model, long_prompts, refs):
+    """The sparse path (Quest scores, per-head gathers) fetching all blocks == the reference."""
+    engine, manager = make(tiny_model, "sparse:1000")
+    engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(engine)["a"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    engine.close()
+    manager.close()
+
+
+def test_sparse_budget_fetches_its_fraction(tiny_model, long_prompts):
+    per_token = {}
+    for mode in ("exact", "sparse:1/4"):
+        engine, manager = make(tiny_model, mode, offload_fetch_blocks=4)
+        engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW, ignore_eos=True))
+        stats = drain(engine)["a"][-1].offload
+        assert stats.num_decode_tokens == NEW - 1
+        per_token[mode] = stats.fetched_bytes_per_token
+        engine.close()
+        manager.close()
+    # per decode step: ceil(n / 4) of n host blocks (n = 8..10 here) -> at most 3/8 of exact's bytes
+    assert 0 < per_token["sparse:1/4"] <= per_token["exact"] * 3 / 8
+
+
+def test_abort_frees_host_blocks(tiny_model, long_prompts):
+    engine, manager = make(tiny_model)
+    engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
+    while not engine._seqs["a"].host.slots:
+        engine.step()
+    assert manager.host_tier().num_leased() > 0 and engine.host_blocks_reserved > 0
+    assert engine.abort_request("a")
+    assert manager.host_tier().num_leased() == 0 and engine.host_blocks_reserved == 0
+    engine.close()
+    manager.close()
+
+
+def test_preempted_offloaded_request_recomputes_exactly(tiny_model, long_prompts, refs):
+    engine, manager = make(tiny_model)
+    engine.add_request("a", long_prompts[1], SamplingParams(max_tokens=NEW))
+    got = []
+    while len(got) < 5:
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    seq = engine._seqs["a"]
+    assert seq.host.slots
+    engine.scheduler._preempt(seq, SchedulerOutput())  # as when a decode finds no block
+    engine._unpin()
+    assert manager.host_tier().num_leased() == 0 and not seq.host.slots
+    got += [t for outs in drain(engine).values() for o in outs for t in o.new_token_ids]
+    assert got == refs[1]
+    assert engine.host_blocks_reserved == 0
+    engine.close()
+    manager.close()
+
+
+def test_host_room_exhausted_refuses_the_new_request_only(tiny_model, long_prompts, refs):
+    layout = tiny_model.kv_layout(BLOCK)
+    slot = get_codec("raw").max_encoded_bytes(layout)
+    engine, manager = make(tiny_model, dram=str(10 * slot))  # 10 host blocks
+    engine.add_request("a", long_prompts[1], SamplingParams(max_tokens=NEW))  # needs 10 - 3 = 9... of them
+    with pytest.raises(HostRoomError) as exc:
+        engine.check_request(len(long_prompts[0]), NEW)
+    assert exc.value.ever and "retry later" in str(exc.value)
+    with pytest.raises(HostRoomError) as exc:
+        engine.add_request("b", long_prompts[0], SamplingParams(max_tokens=NEW))
+    assert "b" not in engine.request_ids()
+    with pytest.raises(HostRoomError) as exc:  # more than the DRAM tier holds at all
+        engine.check_request(200, 200)
+    assert not exc.value.ever
+    outputs = drain(engine)["a"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[1]
+    engine.check_request(len(long_prompts[0]), NEW)  # room again
+    engine.close()
+    manager.close()
+
+
+def test_offload_off_refuses_what_the_device_cannot_hold(tiny_model, long_prompts):
+    engine, manager = make(tiny_model, "off")
+    with pytest.raises(ContextLengthError, match="--kv-offload"):
+        engine.check_request(len(long_prompts[2]), NEW)
+    with pytest.raises(ValueError, match="offload off"):
+        engine.check_request(10, 5, kv_offload="exact")
+    engine.close()
+    manager.close()
+    engine, manager = make(tiny_model, "exact")
+    with pytest.raises(ContextLengthError):  # a request may ask to stay on the device
+        engine.check_request(len(long_prompts[2]), NEW, kv_offload="off")
+    engine.check_request(len(long_prompts[2]), NEW)
+    engine.close()
+    manager.close()
+
+
+def test_per_request_sparse_on_an_exact_engine(tiny_model, long_prompts):
+    engine, manager = make(tiny_model, "exact", offload_fetch_blocks=4)
+    engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=4, kv_offload="sparse:2"))
+    stats = drain(engine)["a"][-1].offload
+    assert stats.mode == "sparse:2" and stats.summary_bytes > 0
+    engine.close()
+    manager.close()
+
+
+def test_a_dram_block_with_a_bad_header_is_replaced_not_used(tiny_model, long_prompts, refs):
+    engine, manager = make(tiny_model, synchronous_transfers=True)
+    assert engine.generate([long_prompts[1]], SamplingParams(max_tokens=NEW)) == [refs[1]]
+    host = manager.host_tier()
+    for slot in list(host._key_to_slot.values()):  # every block it wrote through: header byte flipped
+        host._arena_np[slot * host.slot_bytes + 20] ^= 0xFF
+    assert engine.generate([long_prompts[1]], SamplingParams(max_tokens=NEW)) == [refs[1]]
+    assert host.stats.corrupt > 0 and host.num_leased() == 0
+    engine.close()
+    manager.close()
+
+
+def test_config_refusals(tiny_model):
+    layout = tiny_model.kv_layout(BLOCK)
+    with pytest.raises(ValueError, match="raw"):
+        EngineConfig(kv_offload="exact", kv_codec="int8")
+    with pytest.raises(ValueError, match="sparse:BUDGET"):
+        EngineConfig(kv_offload="sometimes")
+    with pytest.raises(ValueError, match="DRAM tier"):
+        LLMEngine(tiny_model, EngineConfig(device_kv_budget_bytes=8 * layout.block_bytes, block_tokens=BLOCK,
+                                           kv_offload="exact"))
+    with pytest.raises(ValueError, match="fraction"):
+        parse_offload("sparse:1.5")
+    assert parse_offload("sparse:1/8") == OffloadMode("sparse", 0.125) and str(parse_offload("sparse:0.125")) == "sparse:1/8"
+    assert parse_offload("off") is None and OffloadMode("sparse", 0.125).num_fetched(20) == 3
+
+
+def test_log_sum_exp_merge_equals_attention_over_both():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 16, generator=gen)  # [H, G, N, D]
+    k = torch.randn(2, 40, 16, generator=gen)
+    v = torch.randn(2, 40, 16, generator=gen)
+    out, lse = attend(q, k, v, None, 0.25)
+    merged, merged_lse = merge(*attend(q, k[:, :25], v[:, :25], None, 0.25), *attend(q, k[:, 25:], v[:, 25:], None, 0.25))
+    torch.testing.assert_close(merged, out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged_lse, lse)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(6, 4, 16), k.repeat_interleave(3, 0),
+                                                            v.repeat_interleave(3, 0), scale=0.25)
+    torch.testing.assert_close(out.reshape(6, 4, 16), sdpa, rtol=1e-5, atol=1e-6)
