@@ -25,12 +25,20 @@ def register(app: typer.Typer) -> None:
         gpu_mem_util: float = typer.Option(0.9, help="fraction of HBM the server may use (vLLM's 0.9)"),
         ttft_target: float = typer.Option(1.0, help="seconds within which a cached prefix must be restored"),
         host_mem: str = typer.Option("2TiB", help="host DRAM per node, for the tier plan"),
+        offload_window_tokens: str = typer.Option(None, help="offload: tokens per request kept on the device "
+                                                  "(sink block + recent window), e.g. 2k; default 1,024 "
+                                                  "at 256-token blocks"),
+        sparse_fraction: str = typer.Option("1/8", help="offload: share of off-device blocks sparse mode fetches, "
+                                                        "e.g. 1/8 or 0.125"),
+        block_tokens: int = typer.Option(256, help="offload: tokens per KV block"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
         plot_path: str = typer.Option(None, "--plot", help="write memory vs context length to this PNG"),
     ) -> None:
-        """Will this model, context and concurrency fit; what spills, where, and what it takes."""
+        """Will this model, context and concurrency fit; what spills, where, and what it takes; if it does not
+        fit, what serving it with cold KV blocks off the device (exact, sparse) needs next to buying GPUs."""
         from kvtier.plan import gpu_spec, model_spec, plan
         from kvtier.plan.catalog_gpus import with_memory
+        from kvtier.plan.offload import OffloadOptions, parse_fraction
         from kvtier.units import parse_bytes, parse_count
 
         spec = model_spec(model)
@@ -39,7 +47,10 @@ def register(app: typer.Typer) -> None:
             accel = with_memory(accel, parse_bytes(gpu_mem))
         result = plan(spec, accel, context=parse_count(context), concurrency=parse_count(concurrency),
                       kv_dtype=kv_dtype, weight_dtype=weight_dtype, tp=tp, gpu_mem_util=gpu_mem_util,
-                      ttft_target_s=ttft_target, host_mem_bytes_per_node=parse_bytes(host_mem))
+                      ttft_target_s=ttft_target, host_mem_bytes_per_node=parse_bytes(host_mem),
+                      offload=OffloadOptions(
+                          window_tokens=None if offload_window_tokens is None else parse_count(offload_window_tokens),
+                          block_tokens=block_tokens, sparse_fraction=parse_fraction(sparse_fraction)))
         if plot_path:
             _plot(spec, result, plot_path)
         if json_out:

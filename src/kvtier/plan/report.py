@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvtier.plan.catalog_links import LINKS
+from kvtier.plan.offload import OffloadMode, OffloadPlan
 from kvtier.plan.sizing import PlanResult
 from kvtier.units import fmt_bytes
 
@@ -9,6 +11,10 @@ from kvtier.units import fmt_bytes
 def gib_and_gb(num_bytes: float) -> str:
     """`16.00 GiB (17.18 GB)`: both units, so nobody mistakes one for the other."""
     return f"{fmt_bytes(num_bytes)} ({fmt_bytes(num_bytes, binary=False)})"
+
+
+def _yes_no(ok: bool) -> str:
+    return "[green]yes[/green]" if ok else "[red]no[/red]"
 
 
 def _rows(r: PlanResult) -> list[tuple[str, str]]:
@@ -23,7 +29,7 @@ def _rows(r: PlanResult) -> list[tuple[str, str]]:
          f"{fmt_bytes(r.weights_bytes_per_gpu)} + {fmt_bytes(r.kv_bytes_per_gpu)} + {fmt_bytes(r.activations_bytes)}"
          f" + {fmt_bytes(r.overhead_bytes)} = {gib_and_gb(r.needed_bytes_per_gpu)}"),
         ("usable HBM per GPU", f"{gib_and_gb(r.usable_bytes)} of {gib_and_gb(r.gpu_mem_bytes)}"),
-        ("fits", "[green]yes[/green]" if r.fits else "[red]no[/red]"),
+        ("fits", _yes_no(r.fits)),
         ("max concurrency at this context", f"{r.max_concurrency:,}"),
         ("max context at this concurrency", f"{r.max_context:,} tokens"),
         ("KV that spills (all ranks)", gib_and_gb(r.spill_bytes)),
@@ -38,6 +44,75 @@ def _rows(r: PlanResult) -> list[tuple[str, str]]:
         ("cluster to hold it all in HBM", f"{r.replicas} replicas x tp{r.tp} = {r.gpus} GPUs = {r.nodes} nodes, "
                                           f"{r.facility_watts[0] / 1e3:.1f}-{r.facility_watts[1] / 1e3:.1f} kW facility"),
     ]
+
+
+def _per_mode(o: OffloadPlan, row) -> tuple[str, str]:
+    return row(o.exact), row(o.sparse)
+
+
+def _device_sum(m: OffloadMode, o: OffloadPlan) -> str:
+    summaries = f" + summaries {fmt_bytes(m.summary_bytes_per_gpu)}" if m.summary_bytes_per_gpu else ""
+    return (f"window KV {fmt_bytes(o.window_bytes_per_gpu)} + fetch area {fmt_bytes(m.fetch_area_bytes_per_gpu)}"
+            f"{summaries}; with weights, activations, overhead {gib_and_gb(m.device_bytes_per_gpu)} "
+            f"(fits: {_yes_no(m.fits_device)})")
+
+
+def _tokens_s(per_request: float, concurrency: int) -> str:
+    return f"{per_request:,.2f} tok/s per request, {per_request * concurrency:,.0f} for all {concurrency}"
+
+
+def _shared_lines(r: PlanResult) -> list[str]:
+    """What both modes share: the window and the host room."""
+    o = r.offload
+    return [f"device window: {o.window_blocks} blocks of {o.block_tokens} = {o.device_tokens_per_request:,} tokens "
+            f"per request (sink block + recent); off the device: {o.off_device_blocks_per_request:,} blocks = "
+            f"{o.off_device_tokens_per_request:,} tokens per request",
+            f"host bytes: {gib_and_gb(o.host_bytes_per_request)} per request, {gib_and_gb(o.host_bytes_total)} for "
+            f"all {r.concurrency}, of {gib_and_gb(o.host_kv_capacity_bytes)} host DRAM for KV "
+            f"(fits: {_yes_no(o.fits_host)})"]
+
+
+def _offload_rows(r: PlanResult) -> list[tuple[str, str, str]]:
+    o = r.offload
+    rows = [
+        ("blocks fetched per request, layer and KV head",
+         *_per_mode(o, lambda m: f"{m.fetched_blocks_per_request:,}")),
+        ("per GPU on the device", *_per_mode(o, lambda m: _device_sum(m, o))),
+        ("bytes over the link per decode step, per GPU", *_per_mode(o, lambda m: gib_and_gb(m.link_bytes_per_step))),
+        ("decode bound, HBM alone", *_per_mode(o, lambda m: _tokens_s(m.hbm_tokens_per_s, r.concurrency))),
+    ]
+    for name, bytes_s in o.link_bytes_s.items():
+        rows.append((f"decode bound over {name} ({bytes_s / 1e9:g} GB/s, {LINKS[name].memory})",
+                     *_per_mode(o, lambda m: _tokens_s(m.tokens_per_s_by_link[name], r.concurrency))))
+    return rows
+
+
+def _buy_line(r: PlanResult) -> str:
+    o = r.offload
+    if not o.all_on_device_gpus:
+        return "or buy GPUs: no replica fits (weights + activations + overhead exceed the HBM)"
+    return (f"or buy {o.gpus_to_buy} more GPUs ({o.all_on_device_gpus} in all) and keep all KV on the device: "
+            f"{_tokens_s(o.all_on_device_tokens_per_s, r.concurrency)}, HBM bound")
+
+
+def _render_offload(console, r: PlanResult) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"offload: serve it on this replica (tp{r.tp}) with cold KV blocks off the device")
+    table.add_column("item")
+    table.add_column("exact (every off-device block, every step)")
+    table.add_column(f"{r.offload.sparse.name} (Quest top blocks per layer and KV head)")
+    for row in _offload_rows(r):
+        table.add_row(*row)
+    console.print(table)
+    for line in _shared_lines(r):
+        console.print(line)
+    console.print(_buy_line(r))
+    console.print("estimate, offload: a step lasts at least max(link bytes / link bandwidth, HBM bytes / HBM "
+                  "bandwidth), nominal peaks of one link per GPU; fetch area = one layer of a step's fetches, "
+                  "double-buffered; Quest summaries (key min/max, fp16) stay on the device")
+    for note in r.offload.notes:
+        console.print(f"note: {note}")
 
 
 def render(result: PlanResult) -> None:
@@ -56,3 +131,5 @@ def render(result: PlanResult) -> None:
         console.print(f"estimate, {name}: {how}")
     for note in result.notes:
         console.print(f"note: {note}")
+    if result.offload is not None:
+        _render_offload(console, result)

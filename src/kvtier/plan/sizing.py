@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 
 from kvtier.errors import UserError
 from kvtier.plan.catalog_gpus import gpu_spec
+from kvtier.plan.catalog_links import LINKS
 from kvtier.plan.catalog_models import model_spec
+from kvtier.plan.offload import OffloadOptions, OffloadPlan, plan_offload
 from kvtier.plan.specs import GPUSpec, ModelSpec, kv_dtype_note
 
 ESTIMATES = {
@@ -31,9 +33,9 @@ GIB = 2**30
 OVERHEAD_BYTES = 1 * GIB
 MAX_BATCHED_TOKENS = 8192
 GPUS_PER_NODE = 8
-# Fabrics a restored prefix can come back over, bytes/s per GPU.
-PCIE5_X16 = 64e9          # host DRAM -> GPU
-RDMA_400G = 50e9          # pooled memory (Mooncake over RDMA) -> GPU, one 400 Gb/s NIC per GPU
+# Fabrics a restored prefix can come back over, bytes/s per GPU (the link catalog: catalog_links.py).
+PCIE5_X16 = LINKS["pcie5-x16"].bytes_s   # host DRAM -> GPU
+RDMA_400G = LINKS["rdma-400g"].bytes_s   # pooled memory (Mooncake over RDMA) -> GPU, one 400 Gb/s NIC per GPU
 NVME_SEQ = 7e9            # local NVMe SSD, sequential read
 POWER_FACTORS = (2.5, 3.0)  # facility watts per GPU TDP watt (host, network, cooling)
 HOST_MEM_BYTES_PER_NODE = 2 * 2**40  # a typical 8-GPU node's DRAM (2 TiB)
@@ -76,6 +78,7 @@ class PlanResult:
     facility_watts: tuple
     notes: list
     estimates: dict                # how activations, overhead and the decode bound are estimated
+    offload: OffloadPlan | None = None  # when the KV does not fit: serving it with cold blocks off the device
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,9 +121,11 @@ def _check(context: int, concurrency: int, tp: int, gpu_mem_util: float, ttft_ta
 
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrency: int, kv_dtype: str = "bf16",
          weight_dtype: str = "bf16", tp: int = 1, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
-         host_mem_bytes_per_node: float = HOST_MEM_BYTES_PER_NODE) -> PlanResult:
+         host_mem_bytes_per_node: float = HOST_MEM_BYTES_PER_NODE,
+         offload: OffloadOptions = OffloadOptions()) -> PlanResult:
     """Size `concurrency` requests of `context` tokens for `model` on `gpu` x `tp` (one replica),
-    then the tiers for what spills and the cluster that would hold it all in HBM."""
+    then the tiers for what spills and the cluster that would hold it all in HBM. When the KV does not
+    fit, `offload` sizes the other answer: one replica serving it with cold blocks off the device."""
     if isinstance(model, str):
         model = model_spec(model)
     if isinstance(gpu, str):
@@ -153,7 +158,7 @@ def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrenc
     restore_bw = kv_req / ttft_target_s          # per GPU, each rank restores its shard in parallel
     # one decode step reads the active weights and every sequence's KV once
     step_bytes = weights_gpu * (model.params_active / model.params_total) + kv_gpu
-    return PlanResult(
+    result = PlanResult(
         model=model.name, gpu=gpu.name, context=context, concurrency=concurrency, kv_dtype=kv_dtype,
         weight_dtype=weight_dtype, tp=tp, gpu_mem_bytes=gpu.hbm_bytes, usable_bytes=usable,
         kv_bytes_per_token=kv_req / context, kv_bytes_per_request=kv_req * tp, kv_bytes_total=kv_total,
@@ -168,6 +173,15 @@ def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrenc
         decode_tokens_per_s=concurrency * gpu.hbm_bandwidth_bytes_s / step_bytes,
         replicas=replicas, gpus=gpus, nodes=math.ceil(gpus / GPUS_PER_NODE) if gpus else 0,
         facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes, estimates=ESTIMATES)
+    if not result.fits:
+        host_kv = HOST_KV_FRACTION * host_mem_bytes_per_node * _nodes(tp)
+        result.offload = plan_offload(result, model, gpu, offload, host_kv)
+    return result
+
+
+def _nodes(tp: int) -> int:
+    """Nodes one replica spans."""
+    return max(1, math.ceil(tp / GPUS_PER_NODE))
 
 
 def _tier_plan(spill: float, tp: int, host_mem_per_node: float, restore_bw: float) -> dict:
@@ -176,7 +190,7 @@ def _tier_plan(spill: float, tp: int, host_mem_per_node: float, restore_bw: floa
     by the nodes); local SSD keeps a copy of all spilled KV (the manager writes through to the lowest
     tier), split over the replica's nodes. The `*_meets_ttft` checks compare the restore bandwidth one
     GPU needs with what each tier's fabric delivers per GPU."""
-    nodes = max(1, math.ceil(tp / GPUS_PER_NODE))
+    nodes = _nodes(tp)
     dram = min(spill, HOST_KV_FRACTION * host_mem_per_node * nodes)
     return {
         "host_dram_bytes_per_node": dram / nodes, "pool_bytes": spill - dram, "ssd_bytes_per_node": spill / nodes,
