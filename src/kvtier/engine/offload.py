@@ -152,6 +152,18 @@ def block_summary(k_block: torch.Tensor) -> torch.Tensor:
     return torch.stack([k_block.amin(dim=2), k_block.amax(dim=2)], dim=2)
 
 
+def quest_scores(summary: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Quest's bound of q.k over each block: summary [n, H, 2, D] (key min, max), q [H, G, D] (a KV
+    head's group of query heads, one query) -> [n, H]: for each KV head the largest bound in its group."""
+    bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
+    return bound.amax(-1)
+
+
+def select_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best blocks of each KV head, scores [n, H] -> indices [k, H] in context order."""
+    return scores.topk(k, dim=0).indices.sort(dim=0).values
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, G, N, D] (G query heads per KV head) over k, v [H, M, D], with its
@@ -304,13 +316,9 @@ class OffloadAttention:
 
     def _sparse_pieces(self, layer: int, q4: torch.Tensor, off: SeqOffload):
         """Score the host blocks by Quest's bound for each KV head, fetch the top ones."""
-        summary = off.summaries[:, layer]  # [n, H, 2, D]
-        q = q4[:, :, -1]  # [H, G, D] (decode: one query)
-        bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
-        scores = bound.amax(-1)  # [n, H]
         k = off.mode.num_fetched(off.slots.numel())
-        top = scores.topk(k, dim=0).indices.sort(dim=0).values  # [k, H], in context order
-        slots = off.slots[top]  # [k, H]
+        top = select_blocks(quest_scores(off.summaries[:, layer], q4[:, :, -1]), k)  # [k, H]
+        slots = off.slots[top.to(off.slots.device)]  # [k, H]
         half_blocks = self.fetch.half_blocks
         for i in range(0, k, half_blocks):
             start = time.perf_counter()
