@@ -73,6 +73,13 @@ class EngineView:
     step_tier_io_seconds: float = 0.0
     transfer_load_seconds: float = 0.0
     transfer_store_seconds: float = 0.0
+    kv_offload: str = "off"             # contexts larger than the device (engine/offload.py)
+    device_kv_bytes: int = 0            # arena + fetch area, within the budget
+    num_offloaded_running: int = 0
+    host_kv_bytes: int = 0
+    host_blocks_reserved: int = 0
+    offload_fetched_bytes: int = 0
+    offload_fetch_seconds: float = 0.0
 
 
 def tier_views(manager) -> list[TierView]:
@@ -203,6 +210,14 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
         ("kvtier_device_blocks_total", "Device KV blocks in the budget", engine.num_device_blocks_total),
         ("kvtier_device_block_bytes", "Bytes of one device KV block slot in the resident format",
          engine.device_block_bytes),
+        ("kvtier_device_kv_bytes", "Device KV memory: the arena and the offload fetch area (within the budget)",
+         engine.device_kv_bytes),
+        ("kvtier_offload_requests_running", "Running requests longer than the device, their middle blocks in "
+         "host memory", engine.num_offloaded_running),
+        ("kvtier_offload_host_kv_bytes", "KV of running offloaded requests pinned in host memory",
+         engine.host_kv_bytes),
+        ("kvtier_offload_host_blocks_reserved", "Host blocks set aside for the offloaded requests admitted",
+         engine.host_blocks_reserved),
     ):
         yield GaugeMetricFamily(name, help_, value=value)
     codec = GaugeMetricFamily("kvtier_device_kv_codec", "The device KV arena's resident format (1 for the one in use)",
@@ -218,6 +233,14 @@ def _engine_families(engine: EngineView) -> Iterator[Metric]:
     transfer.add_metric(["load"], engine.transfer_load_seconds)
     transfer.add_metric(["store"], engine.transfer_store_seconds)
     yield transfer
+    mode = GaugeMetricFamily("kvtier_kv_offload", "The engine's default offload mode (1 for the one in use)",
+                             labels=["mode"])
+    mode.add_metric([engine.kv_offload], 1.0)
+    yield mode
+    yield CounterMetricFamily("kvtier_offload_fetched_bytes", "KV bytes fetched from host memory into the device "
+                              "for offloaded requests' attention", value=engine.offload_fetched_bytes)
+    yield CounterMetricFamily("kvtier_offload_fetch_seconds", "Time the step waited for offload fetches (not hidden "
+                              "behind compute)", value=engine.offload_fetch_seconds)
     hits = CounterMetricFamily("kvtier_prefix_hit_tokens", "Prompt tokens found cached, by where they were found",
                                labels=["tier"])
     for tier, num_tokens in sorted(engine.prefix_hit_tokens_by_tier.items()):
