@@ -232,16 +232,23 @@ class FetchArea:
         layer, slots = self._plan[i]
         return self.gather(layer, slots, half=i % 2)
 
+    def _half(self, half: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A contiguous view of `shape` at the start of one half."""
+        flat = self.buffer[half].view(-1)
+        return flat[:math.prod(shape)].view(shape)
+
     def gather(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
-        """Layer `layer` of the host blocks in `slots` into one half: [n, 2, H, T, D]."""
+        """Layer `layer` of the host blocks in `slots` into one half as [2, H, n, T, D]: K and V of
+        each head contiguous over the blocks (attention views them as [H, n T, D], no copy)."""
         n = slots.numel()
         assert n <= self.half_blocks, (n, self.half_blocks)
-        out = self.buffer[half, :n]
-        host_layer = self.host[:, layer]  # [num_slots, 2, H, T, D], strided over the slots
+        two, h, t, d = self.block_shape
+        out = self._half(half, (two, h, n, t, d))
+        host_layer = self.host[:, layer].permute(1, 2, 0, 3, 4)  # [2, H, num_slots, T, D], strided
         if self.device.type == "cpu":
-            torch.index_select(host_layer, 0, slots, out=out)
+            torch.index_select(host_layer, 2, slots, out=out)
         else:
-            out.copy_(host_layer.index_select(0, slots), non_blocking=False)
+            out.copy_(host_layer.index_select(2, slots), non_blocking=False)
         return out
 
     def spare_half(self) -> int:
@@ -249,13 +256,17 @@ class FetchArea:
         return (self._next + 1) % 2 if self._pending is not None else self._next % 2
 
     def gather_heads(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
-        """Sparse: slots [k, H] (each KV head its own blocks) -> [H, k, 2, T, D] in one half."""
+        """Sparse: slots [k, H] (each KV head its own blocks) -> [H, 2, k, T, D] in one half."""
         k, h = slots.shape
         assert k <= self.half_blocks, (k, self.half_blocks)
-        out = self.buffer[half, :k].view(h, k, 2, *self.block_shape[2:])
-        host_layer = self.host[:, layer]  # [num_slots, 2, H, T, D]
-        heads = torch.arange(h, device=slots.device)
-        out.copy_(host_layer[slots.T, :, heads[:, None]])  # [H, k, 2, T, D]
+        two, _, t, d = self.block_shape
+        out = self._half(half, (h, two, k, t, d))
+        host_layer = self.host[:, layer].permute(2, 1, 0, 3, 4)  # [H, 2, num_slots, T, D]
+        for head in range(h):
+            if self.device.type == "cpu":
+                torch.index_select(host_layer[head], 1, slots[:, head], out=out[head])
+            else:
+                out[head].copy_(host_layer[head].index_select(1, slots[:, head]))
         return out
 
     def end(self) -> None:
@@ -309,10 +320,10 @@ class OffloadAttention:
     def _exact_pieces(self, off: SeqOffload):
         num_pieces = -(-off.slots.numel() // self.fetch.half_blocks)
         for _ in range(num_pieces):
-            piece, waited = self.fetch.take()  # [n, 2, H, T, D]
+            piece, waited = self.fetch.take()  # [2, H, n, T, D]
             self._count(off, piece, waited)
-            h, d = piece.shape[2], piece.shape[4]
-            yield (piece[:, 0].transpose(0, 1).reshape(h, -1, d), piece[:, 1].transpose(0, 1).reshape(h, -1, d))
+            _, h, n, t, d = piece.shape
+            yield piece[0].view(h, n * t, d), piece[1].view(h, n * t, d)
 
     def _sparse_pieces(self, layer: int, q4: torch.Tensor, off: SeqOffload):
         """Score the host blocks by Quest's bound for each KV head, fetch the top ones."""
@@ -322,10 +333,10 @@ class OffloadAttention:
         half_blocks = self.fetch.half_blocks
         for i in range(0, k, half_blocks):
             start = time.perf_counter()
-            piece = self.fetch.gather_heads(layer, slots[i:i + half_blocks], self.fetch.spare_half())  # [H, k', 2, T, D]
+            piece = self.fetch.gather_heads(layer, slots[i:i + half_blocks], self.fetch.spare_half())  # [H, 2, k', T, D]
             self._count(off, piece, time.perf_counter() - start)
-            h, d = piece.shape[0], piece.shape[-1]
-            yield piece[:, :, 0].reshape(h, -1, d), piece[:, :, 1].reshape(h, -1, d)
+            h, _, n, t, d = piece.shape
+            yield piece[:, 0].reshape(h, n * t, d), piece[:, 1].reshape(h, n * t, d)
 
     @staticmethod
     def _count(off: SeqOffload, piece: torch.Tensor, seconds: float) -> None:
