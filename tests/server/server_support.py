@@ -44,9 +44,9 @@ BLOCK = 8
 MAX_MODEL_TOKENS = 512
 
 
-def tiny_app(model, num_blocks: int = 96, **kwargs):
+def tiny_app(model, num_blocks: int = 96, *, dram: str = "4MiB", **kwargs):
     layout = model.kv_layout(BLOCK)
-    manager = build_manager(["dram:4MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    manager = build_manager([f"dram:{dram}"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
     config = EngineConfig(device_kv_budget_bytes=num_blocks * layout.block_bytes, block_tokens=BLOCK,
                           max_prefill_tokens=64, max_model_tokens=MAX_MODEL_TOKENS, **kwargs)
     engine = AsyncEngine(LLMEngine(model, config, manager))

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvtier.engine import AsyncEngine, ContextLengthError, EngineDeadError, RequestFailedError, SamplingParams
+from kvtier.engine.engine import HostRoomError
 from kvtier.server import protocol
 from kvtier.server.generation import EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
@@ -175,11 +176,15 @@ def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int |
     engine = state.engine.engine
     prompt_param = "messages" if hasattr(req, "messages") else "prompt"
     if max_tokens is None:
-        room = max(1, engine.max_request_tokens - num_prompt_tokens)
+        room = max(1, engine.request_token_limit(req.kv_offload) - num_prompt_tokens)
         max_tokens = min(default_max_tokens or room, room)
     try:
-        engine.check_request(num_prompt_tokens, max_tokens)
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+        engine.check_request(num_prompt_tokens, max_tokens, req.kv_offload)
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                              kv_offload=req.kv_offload)
+    except HostRoomError as exc:  # an offloaded request's host blocks: never (400) or not now (429)
+        raise BadRequest(str(exc), param=_max_tokens_param(req), code="host_memory_exhausted",
+                         status=429 if exc.ever else 400) from None
     except ContextLengthError as exc:
         param = prompt_param if exc.param == "prompt" else _max_tokens_param(req)
         raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
@@ -229,7 +234,10 @@ async def _respond(state: ServerState, request: Request, gen: Generation, req, e
     text = await _collect(state, request, gen)
     if isinstance(text, Response):
         return text
-    return body(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+    result = body(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
+    if gen.offload is not None:  # longer than the device: what its context cost (kvtier's field)
+        result["kvtier_offload"] = gen.offload.to_dict()
+    return result
 
 
 def _as_ids(ids) -> list[int]:
@@ -261,6 +269,8 @@ async def _collect(state: ServerState, request: Request, gen: Generation) -> str
         return _error(state, 500, str(exc))
     except (EngineAbortedError, EngineDeadError) as exc:
         return _error(state, 503, str(exc))
+    except HostRoomError as exc:  # another long request took the host room since the check
+        return _error(state, 429 if exc.ever else 400, str(exc))
     except ValueError as exc:  # refused by the engine after all
         return _error(state, 400, str(exc))
 

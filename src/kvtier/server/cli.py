@@ -25,7 +25,9 @@ def build_app(config):
         max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
         prefix_caching=config.prefix_caching, codec=config.codec, kv_codec=config.kv_codec,
         tier_writes=config.tier_writes,
-        max_model_tokens=config.max_model_tokens), manager)
+        max_model_tokens=config.max_model_tokens, kv_offload=config.kv_offload,
+        offload_sink_blocks=config.offload_sink_blocks, offload_recent_blocks=config.offload_recent_blocks,
+        offload_fetch_blocks=config.offload_fetch_blocks), manager)
 
     def on_shutdown() -> None:
         if manager is not None:
@@ -61,6 +63,13 @@ def register(app: typer.Typer) -> None:
         max_model_tokens: int = typer.Option(None, help="context limit [the model's]"),
         record_trace: str = typer.Option(None, help="append each finished request to this JSONL in the Mooncake "
                                                     "trace format, for `kvtier simulate`"),
+        kv_offload: str = typer.Option(None, help="requests longer than the device budget: off (refused), exact (every "
+                                                  "host block attended), sparse:1/8 or sparse:N (Quest-picked blocks); "
+                                                  "their middle blocks live in the DRAM tier [off]"),
+        offload_sink_blocks: int = typer.Option(None, help="blocks an offloaded request keeps at its start [1]"),
+        offload_recent_blocks: int = typer.Option(None, help="most recent blocks it keeps on the device [2]"),
+        offload_fetch_blocks: int = typer.Option(None, help="layer-blocks per half of the fetch area (taken from the "
+                                                            "budget) [0: 1/8 of the budget]"),
     ) -> None:
         """Serve the OpenAI API (completions, chat, SSE) on a fixed device KV budget with tiered prefixes."""
         import uvicorn
@@ -73,7 +82,9 @@ def register(app: typer.Typer) -> None:
                                   tier_writes=tier_writes,
                                   max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
                                   max_model_tokens=max_model_tokens,
-                                  record_trace=record_trace)
+                                  record_trace=record_trace, kv_offload=kv_offload,
+                                  offload_sink_blocks=offload_sink_blocks, offload_recent_blocks=offload_recent_blocks,
+                                  offload_fetch_blocks=offload_fetch_blocks)
         app_ = build_app(config)
         print(f"kvtier serve: http://{config.host}:{config.port}/v1 (dashboard: /dashboard)", flush=True)
         uvicorn.run(app_, host=config.host, port=config.port, log_level="warning")

@@ -33,6 +33,10 @@ class ServeConfig:
     prefix_caching: bool = True
     max_model_tokens: int | None = None
     record_trace: str | None = None      # append finished requests to this JSONL (Mooncake trace format)
+    kv_offload: str = "off"              # requests longer than the device: off, exact, sparse:BUDGET (engine/offload.py)
+    offload_sink_blocks: int = 1
+    offload_recent_blocks: int = 2
+    offload_fetch_blocks: int = 0        # layer-blocks per half of the fetch area (0: 1/8 of the budget)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -47,6 +51,12 @@ class ServeConfig:
         if self.kv_codec not in ARENA_CODECS:
             raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         parse_bytes(self.device_kv_budget)
+        from kvtier.engine.offload import parse_offload
+
+        try:
+            parse_offload(self.kv_offload)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides) -> "ServeConfig":

@@ -41,6 +41,7 @@ class Generation:
         self.failed = False  # the engine finished it with an error
         self.num_cached_tokens = 0
         self.num_generated_tokens = 0
+        self.offload = None  # OffloadStats of a request longer than the device (the engine's last word)
         self.on_finish = on_finish  # called with this Generation once it finished normally
 
     def usage(self) -> dict:
@@ -58,6 +59,7 @@ class Generation:
                 self.metrics.observe_tokens(self.started_at, last_token_at, now, len(out.new_token_ids))
                 last_token_at = now if out.new_token_ids else last_token_at
                 self.num_cached_tokens = out.num_cached_tokens
+                self.offload = out.offload
                 self.num_generated_tokens += len(out.new_token_ids)
                 delta = self.text.add(out.new_token_ids)
                 engine_done = out.finished

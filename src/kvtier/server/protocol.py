@@ -52,6 +52,15 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Text | None = None  # vLLM's field: the engine namespace that isolates a tenant's prefix cache
+    kv_offload: Text | None = None  # kvtier's: off | exact | sparse:BUDGET for a request longer than the device
+
+    @field_validator("kv_offload")
+    @classmethod
+    def _offload_mode(cls, mode: str | None) -> str | None:
+        from kvtier.engine.offload import parse_offload
+
+        parse_offload(mode)  # ValueError naming the accepted forms -> 400 naming kv_offload
+        return mode
 
     @field_validator("n")
     @classmethod
