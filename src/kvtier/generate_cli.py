@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from kvtier.errors import UserError
+from kvtier.tiers.spec import TierSpec, parse_specs
 
 DEFAULT_TIERS = "dram,ssd"
 
@@ -34,8 +35,8 @@ class GenerateResult:
 
 
 def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
-               dram_bytes: str = "1GiB", ssd_bytes: str = "20GiB") -> list[str]:
-    """`dram,ssd,mooncake` + paths/URLs -> the manager's tier spec strings, top tier first."""
+               dram_bytes: str = "1GiB", ssd_bytes: str = "20GiB") -> list[TierSpec]:
+    """`dram,ssd,mooncake` + paths/URLs -> the manager's tier specs, top tier first (pools between DRAM and SSD)."""
     from kvtier.models import cache_dir
 
     specs = []
@@ -50,9 +51,8 @@ def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
             specs.append(pool_url if pool_url.startswith(f"{name}:") else f"{name}://{pool_url.removeprefix('//')}")
         else:
             raise UserError(f"unknown tier {name!r}: use dram, ssd, mooncake, redis")
-    # pools sit between DRAM and SSD
     order = {"dram": 0, "mooncake": 1, "redis": 1, "ssd": 2}
-    return sorted(specs, key=lambda spec: order[spec.split(":", 1)[0]])
+    return sorted(parse_specs(specs), key=lambda spec: order[spec.kind])
 
 
 class _FirstTokenTimer:
