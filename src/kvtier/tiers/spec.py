@@ -113,5 +113,10 @@ _PARSERS = {"dram": _dram, "ssd": _disk, "shm": _disk, "mooncake": _mooncake,
             **{scheme: _redis for scheme in _REDIS_SCHEMES}}
 
 
-def parse_specs(specs: list[str | TierSpec] | tuple[str | TierSpec, ...]) -> list[TierSpec]:
+def parse_specs(specs: str | list[str | TierSpec] | tuple[str | TierSpec, ...]) -> list[TierSpec]:
+    """A list of specs (one string is one spec), parsed."""
+    if isinstance(specs, str):
+        specs = [specs]
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"tiers must be a list of tier specs ({USAGE}), got {specs!r}")
     return [TierSpec.parse(spec) for spec in specs]
