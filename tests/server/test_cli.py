@@ -84,6 +84,11 @@ def test_serve_options_are_the_config_fields():
     assert options["device_kv_budget"].help == "device KV arena size, e.g. 512MiB (default: 512MiB)"
 
 
+def test_deriving_the_options_imports_no_torch():
+    code = "import sys; from kvtier.cli import _register_all; _register_all(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 def test_cli_flags_reach_the_config(monkeypatch, tmp_path):
     import kvtier.server.cli as serve_cli
 

@@ -1,12 +1,26 @@
-"""Storage tiers below the device: host DRAM, the pooled memory tier (Mooncake Store or Redis), local SSD."""
+"""Storage tiers below the device: host DRAM, the pooled memory tier (Mooncake Store or Redis), local SSD.
+
+The tier classes are imported on first use, so reading a tier spec (`kvtier serve --help`) needs no torch.
+"""
 
 from __future__ import annotations
 
-from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.disk import DiskTier, SharedMemoryTier
-from kvtier.tiers.health import Backoff, TierHealth
-from kvtier.tiers.host import HostTier
+import importlib
+from typing import TYPE_CHECKING
+
 from kvtier.tiers.spec import TierSpec
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import Tier
+
+_HOME = {"Tier": "base", "TierStats": "base", "DiskTier": "disk", "SharedMemoryTier": "disk",
+         "Backoff": "health", "TierHealth": "health", "HostTier": "host"}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvtier.tiers.{_HOME[name]}"), name)
 
 
 def make_tier(spec: str | TierSpec, *, slot_bytes: int) -> Tier:
@@ -14,8 +28,12 @@ def make_tier(spec: str | TierSpec, *, slot_bytes: int) -> Tier:
     `mooncake://HOST:PORT[?options]`, `redis://HOST:PORT/DB`)."""
     spec = TierSpec.parse(spec)
     if spec.kind == "dram":
+        from kvtier.tiers.host import HostTier
+
         return HostTier(spec.capacity_bytes, slot_bytes)
     if spec.kind in ("ssd", "shm"):
+        from kvtier.tiers.disk import DiskTier, SharedMemoryTier
+
         return (DiskTier if spec.kind == "ssd" else SharedMemoryTier)(spec.path, spec.capacity_bytes)
     if spec.kind == "mooncake":
         from kvtier.tiers.mooncake import mooncake_tier
