@@ -146,9 +146,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
-    from kvtier.integrations.vllm.launch import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
-                                                 kvtier_transfer_config)
-    from kvtier.services import MooncakePool
+    from kvtier.testing.vllm import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
+                                     kvtier_transfer_config)
+    from kvtier.testing.services import MooncakePool
 
     python = VLLM_PYTHON
     if name == "vllm":
@@ -185,7 +185,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
-    from kvtier.integrations.vllm.launch import BLOCK_TOKENS, LMCACHE_PYTHON
+    from kvtier.testing.vllm import BLOCK_TOKENS, LMCACHE_PYTHON
 
     if "vllm-lmcache" in systems and not LMCACHE_PYTHON.exists():
         print(f"vllm-lmcache skipped: {LMCACHE_PYTHON} not found (`make lmcache` creates it, "

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.index import LRUIndex
+from kvtier.lru import LRUIndex
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth

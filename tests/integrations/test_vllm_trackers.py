@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.plan import LoadSpec, RequestTracker, SaveSpec, request_namespace
+from kvtier.integrations.vllm.trackers import LoadSpec, RequestTracker, SaveSpec, request_namespace
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.tiers import SharedMemoryTier, make_tier
 from kvtier.tiers.manager import build_manager
