@@ -14,7 +14,9 @@ from pathlib import Path
 
 import typer
 
+from kvtier.config import command_settings
 from kvtier.errors import UserError
+from kvtier.tiers.spec import TierSpec, parse_specs
 
 DEFAULT_TIERS = "dram,ssd"
 
@@ -34,8 +36,8 @@ class GenerateResult:
 
 
 def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
-               dram_bytes: str = "1GiB", ssd_bytes: str = "20GiB") -> list[str]:
-    """`dram,ssd,mooncake` + paths/URLs -> the manager's tier spec strings, top tier first."""
+               dram_bytes: str = "1GiB", ssd_bytes: str = "20GiB") -> list[TierSpec]:
+    """`dram,ssd,mooncake` + paths/URLs -> the manager's tier specs, top tier first (pools between DRAM and SSD)."""
     from kvtier.models import cache_dir
 
     specs = []
@@ -50,9 +52,8 @@ def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
             specs.append(pool_url if pool_url.startswith(f"{name}:") else f"{name}://{pool_url.removeprefix('//')}")
         else:
             raise UserError(f"unknown tier {name!r}: use dram, ssd, mooncake, redis")
-    # pools sit between DRAM and SSD
     order = {"dram": 0, "mooncake": 1, "redis": 1, "ssd": 2}
-    return sorted(specs, key=lambda spec: order[spec.split(":", 1)[0]])
+    return sorted(parse_specs(specs), key=lambda spec: order[spec.kind])
 
 
 class _FirstTokenTimer:
@@ -117,46 +118,54 @@ def _print_result(result: GenerateResult) -> None:
     console.print(table)
 
 
+def _shared_settings():
+    """The options `kvtier generate` shares with `kvtier serve`: the same fields, names, defaults and help."""
+    from kvtier.config import pick
+    from kvtier.server.config import ServeConfig
+
+    return pick(ServeConfig.settings(), "model", "codec", "kv_codec", "block_tokens")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
+    @command_settings(*_shared_settings(), layered=False)
     def generate(
         prompt: str = typer.Option(None, help="prompt text"),
         prompt_file: Path = typer.Option(None, help="read the prompt from this file"),
         max_new_tokens: int = typer.Option(32, min=1),
-        model: str = typer.Option("smollm2", help="smollm2 (embedded), tiny, or a local HF model directory"),
         tiers: str = typer.Option(DEFAULT_TIERS, help="comma list of dram, ssd, mooncake, redis"),
         ssd_dir: str = typer.Option(None, help="SSD tier directory (default: <cache dir>/ssd)"),
         pool_url: str = typer.Option(None, help="mooncake master host:port or redis://host:port/db"),
-        codec: str = typer.Option("raw", help="raw, fp8, int8, int4, int2, optionally +zstd"),
-        device_kv_budget: str = typer.Option(None, help="device KV budget, e.g. 256MiB; the rest lives on the host"),
-        kv_codec: str = typer.Option("raw", help="resident KV format: raw, or fp8/int8/int4/int2 (KIVI, a "
-                                                 "128-token exact residual; not with --device-kv-budget)"),
-        block_tokens: int = typer.Option(256, min=1),
+        device_kv_budget: str = typer.Option(None, help="device KV budget, e.g. 256MiB; the rest lives on the host "
+                                                        "(not with a quantized --kv-codec)"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
+        *, settings: dict,
     ) -> None:
         """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics."""
         from kvtier import models
+        from kvtier.codecs import get_codec
+        from kvtier.config import EngineConfig, from_settings
         from kvtier.tiers.manager import build_manager
         from kvtier.units import parse_bytes
 
         if (prompt is None) == (prompt_file is None):
             raise UserError("give exactly one of --prompt or --prompt-file")
-        if kv_codec != "raw" and device_kv_budget:
+        model = settings.pop("model")
+        shared = from_settings(EngineConfig, settings, what="generate")  # checked as `kvtier serve` checks them
+        if shared.kv_codec != "raw" and device_kv_budget:
             raise UserError("--kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine")
         text = prompt if prompt is not None else prompt_file.read_text()
         loaded = models.load(model)
         if loaded.tokenizer is None:
             raise UserError(f"model {model!r} has no tokenizer; generate needs one")
         budget = parse_bytes(device_kv_budget) if device_kv_budget else None
-        layout = loaded.kv_layout(block_tokens)
-        from kvtier.codecs import get_codec
-
+        layout = loaded.kv_layout(shared.block_tokens)
         manager = build_manager(tier_specs(tiers, ssd_dir=ssd_dir, pool_url=pool_url),
-                                slot_bytes=get_codec(codec).max_encoded_bytes(layout))
+                                slot_bytes=get_codec(shared.codec).max_encoded_bytes(layout))
         try:
             result = run_generate(loaded, manager, loaded.tokenizer(text).input_ids, max_new_tokens=max_new_tokens,
-                                  codec=codec, device_kv_budget_bytes=budget, block_tokens=block_tokens,
-                                  kv_codec=kv_codec)
+                                  codec=shared.codec, device_kv_budget_bytes=budget, block_tokens=shared.block_tokens,
+                                  kv_codec=shared.kv_codec)
             manager.flush()
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:

@@ -8,7 +8,7 @@ import torch
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.codecs import get_codec
-from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers.manager import build_manager
 

@@ -1,4 +1,4 @@
-"""Test helpers around `kvtier.integrations.vllm.launch.VllmServer` (a real vLLM server)."""
+"""Test helpers around `kvtier.testing.vllm.VllmServer` (a real vLLM server)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from kvtier import models
-from kvtier.integrations.vllm.launch import BLOCK_TOKENS, VLLM_PYTHON, VllmServer, kvtier_transfer_config
+from kvtier.testing.vllm import BLOCK_TOKENS, VLLM_PYTHON, VllmServer, kvtier_transfer_config
 
 __all__ = ["BLOCK_TOKENS", "VLLM_PYTHON", "start_vllm", "wait_stable_count"]
 

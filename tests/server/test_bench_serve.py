@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvtier.bench.serve import Workload, conversations, engine_system, render, run
+from kvtier.bench.harness import Workload, conversations, render
+from kvtier.bench.serve import engine_system, run
 
 
 def test_conversations_are_deterministic_and_distinct(shakespeare_text):
@@ -35,7 +36,7 @@ def test_quantized_resident_system_serves_every_turn():
 
 
 def test_plot_is_a_png_with_one_bar_group_per_system(tmp_path):
-    from kvtier.bench.serve import plot
+    from kvtier.bench.harness import plot
 
     rows = [dict(system=name, ttft_p50_s=p50, ttft_p99_s=2 * p50, tokens_per_s=tps, failed=failed)
             for name, p50, tps, failed in [("generate", 10.0, 5.0, 0), ("kvtier", 4.0, 9.0, 0),
@@ -55,7 +56,7 @@ def test_system_names():
 
 
 def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):
-    from kvtier.bench.serve import trace_requests
+    from kvtier.bench.harness import trace_requests
     from kvtier.sim.trace import read_trace
 
     raw = read_trace(mooncake_trace_path)[:60]
@@ -75,7 +76,7 @@ def test_trace_requests_keep_the_traces_prefix_sharing(mooncake_trace_path):
 
 
 def test_trace_requests_from_a_later_start(mooncake_trace_path):
-    from kvtier.bench.serve import trace_requests
+    from kvtier.bench.harness import trace_requests
     from kvtier.sim.trace import read_trace
 
     raw = read_trace(mooncake_trace_path)[100:110]

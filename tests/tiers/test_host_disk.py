@@ -9,7 +9,7 @@ import torch
 
 from kvtier.codecs import get_codec
 from kvtier.errors import UserError
-from kvtier.tiers import Backoff, DiskTier, HostTier, make_tier
+from kvtier.tiers import Backoff, DiskTier, HostTier, TierSpec, make_tier
 from kvtier.tiers.disk import PROBE_BLOCKS
 
 K = [bytes([i]) * 16 for i in range(8)]
@@ -229,6 +229,65 @@ def test_tier_specs():
         make_tier("tape:1GiB", slot_bytes=SIZE)
     with pytest.raises(UserError):
         make_tier("ssd:1GiB", slot_bytes=SIZE)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("dram:1MiB", TierSpec("dram", "dram:1MiB", 1 << 20)),
+    ("dram", TierSpec("dram", "dram", 1 << 30)),
+    ("ssd:/data/kv:10GiB", TierSpec("ssd", "ssd:/data/kv:10GiB", 10 << 30, path=Path("/data/kv"))),
+    ("shm:/dev/shm/kv:2GB", TierSpec("shm", "shm:/dev/shm/kv:2GB", 2 * 10**9, path=Path("/dev/shm/kv"))),
+    ("mooncake://10.0.0.5:50051?segment=1GiB", TierSpec("mooncake", "mooncake://10.0.0.5:50051?segment=1GiB", None,
+                                                        url="10.0.0.5:50051", options={"segment": "1GiB"})),
+    ("mooncake:10.0.0.5:50051", TierSpec("mooncake", "mooncake:10.0.0.5:50051", None, url="10.0.0.5:50051")),
+    ("redis://127.0.0.1:6379/0", TierSpec("redis", "redis://127.0.0.1:6379/0", None, url="redis://127.0.0.1:6379/0")),
+    ("unix:///run/redis.sock", TierSpec("redis", "unix:///run/redis.sock", None, url="unix:///run/redis.sock")),
+])
+def test_tier_spec_is_parsed_once(text, expected):
+    spec = TierSpec.parse(text)
+    assert spec == expected and str(spec) == text and TierSpec.parse(spec) is spec
+    assert spec.shared == (spec.kind != "dram")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tape:1GiB", "unknown tier 'tape:1GiB': use dram:SIZE, ssd:DIR:SIZE, shm:DIR:SIZE, mooncake://HOST:PORT, "
+                  "redis://HOST:PORT/DB"),
+    ("", "a tier spec must be a non-empty string (dram:SIZE, ssd:DIR:SIZE, shm:DIR:SIZE, mooncake://HOST:PORT, "
+         "redis://HOST:PORT/DB), got ''"),
+    ("ssd:1GiB", "ssd tier spec needs a directory and a size: ssd:/path:10GiB, got 'ssd:1GiB'"),
+    ("shm:/dev/shm/kv:", "shm tier spec needs a directory and a size: shm:/path:10GiB, got 'shm:/dev/shm/kv:'"),
+    ("dram:lots", "tier spec 'dram:lots': cannot parse byte size 'lots' (expected e.g. 128k, 256MiB, 80GB)"),
+    ("dram:0", "tier spec 'dram:0': the size must be positive"),
+    ("ssd:/x:12parsecs", "tier spec 'ssd:/x:12parsecs': unknown byte unit 'parsecs' in '12parsecs' "
+                         "(use B, KB, MB, GB, KiB, MiB, GiB, ...)"),
+    ("mooncake://nohost", "mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; "
+                          "got 'mooncake://nohost'"),
+    ("mooncake://h:port", "mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; "
+                          "got 'mooncake://h:port'"),
+    ("mooncake://h:1?colour=blue", "unknown mooncake tier option(s) colour in 'mooncake://h:1?colour=blue': "
+                                   "use metadata, segment, buffer, protocol, device, local"),
+    ("mooncake://h:1?segment=lots", "tier spec 'mooncake://h:1?segment=lots': cannot parse byte size 'lots' "
+                                    "(expected e.g. 128k, 256MiB, 80GB)"),
+    ("redis:6379", "redis tier spec needs a host: redis://HOST:PORT/DB, got 'redis:6379'"),
+    ("redis://h:port/0", "redis tier spec needs a host: redis://HOST:PORT/DB, got 'redis://h:port/0'"),
+    ("redis://h:6379/zero", "redis tier spec: the database must be a number (redis://HOST:PORT/0), "
+                            "got 'redis://h:6379/zero'"),
+])
+def test_a_bad_tier_spec_is_one_line_naming_it(text, message):
+    with pytest.raises(UserError) as info:
+        TierSpec.parse(text)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)
+
+
+def test_generate_tier_names_become_specs_pools_between_dram_and_ssd(tmp_path):
+    from kvtier.generate_cli import tier_specs
+
+    specs = tier_specs("ssd,redis,dram", ssd_dir=str(tmp_path), pool_url="127.0.0.1:6379/0", dram_bytes="64MiB")
+    assert [str(spec) for spec in specs] == ["dram:64MiB", "redis://127.0.0.1:6379/0", f"ssd:{tmp_path}:20GiB"]
+    with pytest.raises(UserError, match="the mooncake tier needs --pool-url"):
+        tier_specs("mooncake", ssd_dir=None, pool_url=None)
+    with pytest.raises(UserError, match="unknown tier 'tape'"):
+        tier_specs("tape", ssd_dir=None, pool_url=None)
 
 
 def test_disk_batched_read_keeps_order_and_survives_a_vanished_file(tmp_path):

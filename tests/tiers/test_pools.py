@@ -21,7 +21,7 @@ from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.mooncake import parse_spec
 from kvtier.tiers.pool import PoolError
 
-from kvtier.services import MooncakePool, RedisServer, Service, free_port
+from kvtier.testing.services import MooncakePool, RedisServer, Service, free_port
 
 pytestmark = pytest.mark.services
 

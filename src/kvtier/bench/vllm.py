@@ -32,7 +32,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvtier.bench.serve import SystemResult, TurnClock, Workload, _prompt, conversations, trace_requests
+from kvtier.bench.harness import SystemResult, TurnClock, Workload, chat_prompt, conversations, trace_requests
 
 SYSTEMS = ("vllm", "vllm-kvtier-dram", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "vllm-lmcache",
            "kvtier-serve")
@@ -74,7 +74,7 @@ def _run_chat(url: str, tokenizer, convs, w: Workload, name: str) -> SystemResul
             async def user(u: int, passage: str, user_messages: list[str]) -> None:
                 replies: list[str] = []
                 for turn in range(len(user_messages)):
-                    ids = _prompt(tokenizer, passage, user_messages[:turn + 1], replies)
+                    ids = chat_prompt(tokenizer, passage, user_messages[:turn + 1], replies)
                     text = await _stream(client, result, (u, turn), ids, w.max_tokens)
                     if text is None:
                         return
@@ -146,9 +146,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
-    from kvtier.integrations.vllm.launch import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
-                                                 kvtier_transfer_config)
-    from kvtier.services import MooncakePool
+    from kvtier.testing.vllm import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
+                                     kvtier_transfer_config)
+    from kvtier.testing.services import MooncakePool
 
     python = VLLM_PYTHON
     if name == "vllm":
@@ -185,7 +185,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
-    from kvtier.integrations.vllm.launch import BLOCK_TOKENS, LMCACHE_PYTHON
+    from kvtier.testing.vllm import BLOCK_TOKENS, LMCACHE_PYTHON
 
     if "vllm-lmcache" in systems and not LMCACHE_PYTHON.exists():
         print(f"vllm-lmcache skipped: {LMCACHE_PYTHON} not found (`make lmcache` creates it, "
@@ -282,7 +282,7 @@ def add_command(bench) -> None:
              load: str = typer.Option("layerwise", help="kvtier's load mode: layerwise (in the request's first "
                                                         "forward, layer by layer) or async (before it runs)")) -> None:
         """vLLM alone vs vLLM + kvtier (DRAM, SSD, pool) vs vLLM + ExampleConnector or LMCache vs kvtier serve."""
-        from kvtier.bench.serve import plot, print_rows
+        from kvtier.bench.harness import plot, print_rows
         from kvtier.errors import UserError
         from kvtier.integrations.vllm.config import LOAD_MODES
 

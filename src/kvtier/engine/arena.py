@@ -22,16 +22,14 @@ and whole-block copies for the tiers (`block_tensor`/`write_block`, full precisi
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
 
 import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import quant
 from kvtier.codecs.codec import byte_array
+from kvtier.config import ARENA_CODECS, KVFormat
 
-KVFormat = Literal["raw", "fp8", "int8", "int4", "int2"]  # the device arena's formats
-ARENA_CODECS: tuple[str, ...] = get_args(KVFormat)
 _KIVI_GROUP = quant.DEFAULT_GROUP_SIZE
 
 

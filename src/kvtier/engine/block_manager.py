@@ -82,14 +82,6 @@ class BlockManager:
         self.key_to_block[key] = block_id
         return True
 
-    def unregister(self, block_id: int) -> None:
-        """Forget a used block's key: its KV never arrived (a failed copy), so it must not be matched."""
-        assert self.ref_counts[block_id] > 0, f"unregistering free block {block_id}"
-        key = self.block_to_key[block_id]
-        if key is not None:
-            del self.key_to_block[key]
-            self.block_to_key[block_id] = None
-
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each; in reverse so a table's tail is evicted before its head."""
         for block_id in reversed(block_ids):

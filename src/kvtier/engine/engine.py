@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
-from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
-from kvtier.engine.arena import ARENA_CODECS, KVFormat, make_arena
+from kvtier.config import EngineConfig
+from kvtier.engine.arena import make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
 from kvtier.engine.offload import FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, block_summary, parse_offload
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence
 from kvtier.engine.transfer import KVTransfer
-
-_MiB = 1 << 20
-TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
 
 log = logging.getLogger(__name__)
 
@@ -55,45 +52,6 @@ class ContextLengthError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    device_kv_budget_bytes: int = 512 * _MiB
-    block_tokens: int = 256
-    max_num_seqs: int = 32
-    max_prefill_tokens: int = 512   # chunked prefill: prompt tokens computed per step, all sequences together
-    prefix_caching: bool = True
-    codec: str = "raw"              # how blocks are written to the tiers
-    tier_writes: TierWrites = "full"  # "full": each block as soon as it is computed; "evict": when the device evicts it
-    kv_codec: KVFormat = "raw"      # the format resident on the device: raw, fp8, int8, int4, int2 (arena)
-    max_model_tokens: int | None = None  # default: the model's max_position_embeddings
-    synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
-    # contexts larger than the device (engine/offload.py): "off", "exact" or "sparse:BUDGET" (a fraction
-    # or a number of blocks). A request longer than the device holds keeps `offload_sink_blocks` +
-    # `offload_recent_blocks` blocks on the device, the rest pinned in the DRAM tier's memory.
-    kv_offload: str = "off"
-    offload_sink_blocks: int = 1
-    offload_recent_blocks: int = 2
-    offload_fetch_blocks: int = 0   # layer-blocks per half of the fetch area; 0: 1/8 of the budget in all
-
-    def offload_mode(self) -> OffloadMode | None:
-        return parse_offload(self.kv_offload)
-
-    def __post_init__(self) -> None:
-        if self.tier_writes not in get_args(TierWrites):
-            raise ValueError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
-        if self.kv_codec not in ARENA_CODECS:
-            raise ValueError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
-        for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens",
-                     "offload_recent_blocks"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.offload_sink_blocks < 0 or self.offload_fetch_blocks < 0:
-            raise ValueError("offload_sink_blocks and offload_fetch_blocks must be >= 0")
-        if self.offload_mode() is not None and (self.kv_codec != "raw" or self.codec != "raw"):
-            raise ValueError(f"kv_offload needs the raw device and tier formats (kv_codec {self.kv_codec!r}, "
-                             f"codec {self.codec!r}): offloaded blocks are attended to as they are")
 
 
 @dataclass(slots=True)

@@ -1,73 +1,56 @@
-"""`kvtier serve` configuration: one dataclass, from flags or one TOML/YAML file (flags win)."""
+"""`kvtier serve` configuration: one dataclass holding the engine's, from flags or one TOML/YAML file.
+
+Precedence: flags > file > defaults. A file's keys and the flags are the same settings (`setting(...)`
+fields, the engine's flattened in: `device_kv_budget`, `block_tokens`, ...), dashes or underscores.
+"""
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.errors import UserError
-from kvtier.units import parse_bytes
+from kvtier.config import EngineConfig, Setting, from_settings, setting, settings_of
+from kvtier.errors import ConfigError, UserError
+from kvtier.tiers.spec import TierSpec, parse_specs
 
 
-def default_tiers() -> list[str]:
+def default_tiers() -> list[TierSpec]:
     from kvtier.models import cache_dir
 
-    return ["dram:1GiB", f"ssd:{cache_dir() / 'serve-ssd'}:4GiB"]
+    return parse_specs(["dram:1GiB", f"ssd:{cache_dir() / 'serve-ssd'}:4GiB"])
 
 
 @dataclass(slots=True)
 class ServeConfig:
-    model: str = "smollm2"
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    device_kv_budget: str = "512MiB"
-    block_tokens: int = 256
-    tiers: list[str] = field(default_factory=default_tiers)  # top first; [] = device prefix cache only
-    codec: str = "raw"                   # blocks written to the tiers
-    kv_codec: str = "raw"                # the format resident on the device: raw, fp8, int8, int4, int2
-    tier_writes: str = "full"            # blocks go to the tiers when full ("full") or when evicted ("evict")
-    max_num_seqs: int = 32
-    max_prefill_tokens: int = 512
-    prefix_caching: bool = True
-    max_model_tokens: int | None = None
-    record_trace: str | None = None      # append finished requests to this JSONL (Mooncake trace format)
-    kv_offload: str = "off"              # requests longer than the device: off, exact, sparse:BUDGET (engine/offload.py)
-    offload_sink_blocks: int = 1
-    offload_recent_blocks: int = 2
-    offload_fetch_blocks: int = 0        # layer-blocks per half of the fetch area (0: 1/8 of the budget)
+    model: str = setting("smollm2", help="smollm2 (default, embedded), tiny, or a local HF model directory")
+    served_model_name: str | None = setting(None, help="the model id clients send and /v1/models lists")
+    host: str = setting("127.0.0.1", help="bind address")
+    port: int = setting(8000, help="port")
+    # top first; [] = the device prefix cache only
+    tiers: list[TierSpec] = setting(factory=default_tiers, flag="tier", parse=parse_specs,
+                                    shown="dram:1GiB + ssd under the kvtier cache dir",
+                                    help="a tier below the device, top first; repeat: --tier dram:1GiB "
+                                         "--tier ssd:/path:4GiB (shm:, mooncake://, redis:// too)")
+    record_trace: str | None = setting(None, help="append each finished request to this JSONL in the Mooncake "
+                                                  "trace format, for `kvtier simulate`")
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
-            raise UserError(f"port must be 1-65535, got {self.port}")
-        for name in ("block_tokens", "max_num_seqs", "max_prefill_tokens"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"{name} must be positive, got {getattr(self, name)}")
-        from kvtier.engine.arena import ARENA_CODECS
-
-        if self.tier_writes not in ("full", "evict"):
-            raise UserError(f"tier_writes must be 'full' or 'evict', got {self.tier_writes!r}")
-        if self.kv_codec not in ARENA_CODECS:
-            raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
-        parse_bytes(self.device_kv_budget)
-        from kvtier.engine.offload import parse_offload
-
-        try:
-            parse_offload(self.kv_offload)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+            raise ConfigError(f"port must be 1-65535, got {self.port}")
+        self.tiers = parse_specs(self.tiers)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, **overrides) -> "ServeConfig":
-        """File values, then the overrides that are not None."""
+    def settings(cls) -> list[Setting]:
+        return settings_of(cls)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides) -> ServeConfig:
+        """File values, then the overrides (flags) that are not None."""
         values = _read(Path(path)) if path else {}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise UserError(f"unknown serve setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        return from_settings(cls, values, what="serve")
 
 
 def _read(path: Path) -> dict:
@@ -85,4 +68,4 @@ def _read(path: Path) -> dict:
         raise UserError(f"cannot parse {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a table of settings")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    return data

@@ -1,1 +1,1 @@
-"""`kvtier simulate`: replay request traces through a cluster model built on `kvtier.index.LRUIndex`."""
+"""`kvtier simulate`: replay request traces through a cluster model built on `kvtier.lru.LRUIndex`."""

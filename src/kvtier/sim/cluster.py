@@ -1,6 +1,6 @@
 """The cluster model: nodes, each with an HBM, DRAM and SSD tier, and an optional pool shared by all.
 
-Every tier is a `kvtier.index.LRUIndex` over block ids sized in tokens (the real tokens a block
+Every tier is a `kvtier.lru.LRUIndex` over block ids sized in tokens (the real tokens a block
 holds), the same class and eviction order the real DRAM/SSD tiers use. Policy, per request on node n
 (tiers top first: hbm[n], dram[n], pool, ssd[n]):
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import UserError
-from kvtier.index import LRUIndex
+from kvtier.lru import LRUIndex
 from kvtier.sim.trace import BLOCK_TOKENS, Request
 
 TIERS = ("hbm", "dram", "pool", "ssd")

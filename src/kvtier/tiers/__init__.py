@@ -1,36 +1,47 @@
-"""Storage tiers below the device: host DRAM, the pooled memory tier (Mooncake Store or Redis), local SSD."""
+"""Storage tiers below the device: host DRAM, the pooled memory tier (Mooncake Store or Redis), local SSD.
+
+The tier classes are imported on first use, so reading a tier spec (`kvtier serve --help`) needs no torch.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import importlib
+from typing import TYPE_CHECKING
 
-from kvtier.errors import UserError
-from kvtier.tiers.base import Tier, TierStats
-from kvtier.tiers.disk import DiskTier, SharedMemoryTier
-from kvtier.tiers.health import Backoff, TierHealth
-from kvtier.tiers.host import HostTier
-from kvtier.units import parse_bytes
+from kvtier.tiers.spec import TierSpec
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import Tier
+
+_HOME = {"Tier": "base", "TierStats": "base", "DiskTier": "disk", "SharedMemoryTier": "disk",
+         "Backoff": "health", "TierHealth": "health", "HostTier": "host"}
 
 
-def make_tier(spec: str, *, slot_bytes: int) -> Tier:
-    """`dram:1GiB`, `ssd:/path:10GiB`, `shm:/dev/shm/dir:1GiB`, `mooncake://HOST:PORT[?options]`, `redis://HOST:PORT/DB`."""
-    kind, _, rest = spec.partition(":")
-    if kind == "dram":
-        return HostTier(parse_bytes(rest or "1GiB"), slot_bytes)
-    if kind in ("ssd", "shm"):
-        path, _, size = rest.rpartition(":")
-        if not path:
-            raise UserError(f"{kind} tier spec needs a directory and a size: {kind}:/path:10GiB, got {spec!r}")
-        return (DiskTier if kind == "ssd" else SharedMemoryTier)(Path(path), parse_bytes(size))
-    if kind == "mooncake":
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvtier.tiers.{_HOME[name]}"), name)
+
+
+def make_tier(spec: str | TierSpec, *, slot_bytes: int) -> Tier:
+    """The tier a spec names (`TierSpec.parse`: `dram:1GiB`, `ssd:/path:10GiB`, `shm:/dev/shm/dir:1GiB`,
+    `mooncake://HOST:PORT[?options]`, `redis://HOST:PORT/DB`)."""
+    spec = TierSpec.parse(spec)
+    if spec.kind == "dram":
+        from kvtier.tiers.host import HostTier
+
+        return HostTier(spec.capacity_bytes, slot_bytes)
+    if spec.kind in ("ssd", "shm"):
+        from kvtier.tiers.disk import DiskTier, SharedMemoryTier
+
+        return (DiskTier if spec.kind == "ssd" else SharedMemoryTier)(spec.path, spec.capacity_bytes)
+    if spec.kind == "mooncake":
         from kvtier.tiers.mooncake import mooncake_tier
 
         return mooncake_tier(spec)
-    if kind in ("redis", "rediss", "unix"):
-        from kvtier.tiers.redis import redis_tier
+    from kvtier.tiers.redis import redis_tier
 
-        return redis_tier(spec)
-    raise UserError(f"unknown tier {spec!r}: use dram:SIZE, ssd:DIR:SIZE, shm:DIR:SIZE, mooncake://HOST:PORT, redis://HOST:PORT/DB")
+    return redis_tier(spec.url)
 
 
-__all__ = ["Backoff", "DiskTier", "HostTier", "SharedMemoryTier", "Tier", "TierHealth", "TierStats", "make_tier"]
+__all__ = ["Backoff", "DiskTier", "HostTier", "SharedMemoryTier", "Tier", "TierHealth", "TierSpec", "TierStats", "make_tier"]

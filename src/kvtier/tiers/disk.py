@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.errors import UserError
-from kvtier.index import LRUIndex
+from kvtier.lru import LRUIndex
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
 from kvtier.tiers.health import TierHealth

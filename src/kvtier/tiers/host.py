@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify_header
-from kvtier.index import LRUIndex
+from kvtier.lru import LRUIndex
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import logging
 import socket
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 from kvtier.errors import UserError
 from kvtier.tiers.buffers import ReadBuffers, address
 from kvtier.tiers.pool import PoolError, PoolFullError, PoolTier
+from kvtier.tiers.spec import TierSpec
 from kvtier.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -209,21 +210,17 @@ class MooncakeBackend:
             store.close()
 
 
-def parse_spec(spec: str) -> MooncakeBackend:
+def parse_spec(spec: str | TierSpec) -> MooncakeBackend:
     """`mooncake://HOST:PORT?...` or `mooncake:HOST:PORT?...` -> a backend (not yet connected)."""
-    rest = spec.removeprefix("mooncake:").removeprefix("//")
-    url = urlsplit("//" + rest)
-    if not url.hostname or not url.port:
-        raise UserError(f"mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; got {spec!r}")
-    query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-    unknown = set(query) - {"metadata", "segment", "buffer", "protocol", "device", "local"}
-    if unknown:
-        raise UserError(f"unknown mooncake tier option(s) {', '.join(sorted(unknown))} in {spec!r}")
+    spec = TierSpec.parse(spec)
+    if spec.kind != "mooncake":
+        raise UserError(f"not a mooncake tier spec: {spec.text!r}")
+    options, host = spec.options, spec.url.rpartition(":")[0]
     return MooncakeBackend(
-        f"{url.hostname}:{url.port}", query.get("metadata", f"http://{url.hostname}:8080/metadata"),
-        segment_bytes=parse_bytes(query.get("segment", "0")), buffer_bytes=parse_bytes(query.get("buffer", "256MiB")),
-        protocol=query.get("protocol", "tcp"), device=query.get("device", ""), local_hostname=query.get("local"))
+        spec.url, options.get("metadata", f"http://{host}:8080/metadata"),
+        segment_bytes=parse_bytes(options.get("segment", "0")), buffer_bytes=parse_bytes(options.get("buffer", "256MiB")),
+        protocol=options.get("protocol", "tcp"), device=options.get("device", ""), local_hostname=options.get("local"))
 
 
-def mooncake_tier(spec: str, *, connect: bool = True) -> PoolTier:
+def mooncake_tier(spec: str | TierSpec, *, connect: bool = True) -> PoolTier:
     return PoolTier("mooncake", parse_spec(spec), connect=connect)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout
+from kvtier.tiers.spec import TierSpec, parse_specs
 
 _KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves", "load"}
 LOAD_MODES = ("layerwise", "async")
@@ -23,7 +24,7 @@ LOAD_MODES = ("layerwise", "async")
 class ConnectorConfig:
     """`{"tiers": ["dram:4GiB", "ssd:/path:100GiB", "mooncake://HOST:PORT"], "codec": "raw"}`."""
 
-    tiers: tuple[str, ...]
+    tiers: tuple[TierSpec, ...]     # strings are parsed (`TierSpec.parse`)
     codec: str = "raw"
     fingerprint: str | None = None  # names the weights; default: derived from the model (directory)
     max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
@@ -33,9 +34,10 @@ class ConnectorConfig:
     load: str = "layerwise"
 
     def __post_init__(self) -> None:
-        if not self.tiers or not all(isinstance(spec, str) and spec for spec in self.tiers):
+        if not self.tiers:
             raise ValueError('kv_connector_extra_config needs "tiers": a non-empty list of tier specs '
                              '(as `kvtier serve --tier`: "dram:4GiB", "ssd:/path:100GiB", "mooncake://HOST:PORT")')
+        object.__setattr__(self, "tiers", tuple(parse_specs(self.tiers)))
         if not self.shared_tiers:
             raise ValueError("KvtierConnector needs an shm, SSD or pool tier (a DRAM tier alone is not enough): vLLM's "
                              "scheduler runs in another process than its worker and looks blocks up there; for DRAM "
@@ -46,9 +48,9 @@ class ConnectorConfig:
             raise ValueError(f"max_pending_saves must be positive, got {self.max_pending_saves}")
 
     @property
-    def shared_tiers(self) -> tuple[str, ...]:
+    def shared_tiers(self) -> tuple[TierSpec, ...]:
         """The tiers every process sees (not the worker's own DRAM)."""
-        return tuple(spec for spec in self.tiers if not spec.startswith("dram:"))
+        return tuple(spec for spec in self.tiers if spec.shared)
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> ConnectorConfig:

@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
-from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers.manager import build_manager

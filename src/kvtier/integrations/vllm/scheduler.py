@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from kvtier.blocks import KeySpace
-from kvtier.integrations.vllm.plan import LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords, request_namespace
+from kvtier.integrations.vllm.trackers import LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords, request_namespace
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines

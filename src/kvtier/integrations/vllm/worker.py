@@ -29,7 +29,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError, Header
-from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines

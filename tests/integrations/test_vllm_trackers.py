@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import ConnectorConfig
-from kvtier.integrations.vllm.plan import LoadSpec, RequestTracker, SaveSpec, request_namespace
+from kvtier.integrations.vllm.trackers import LoadSpec, RequestTracker, SaveSpec, request_namespace
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.tiers import SharedMemoryTier, make_tier
 from kvtier.tiers.manager import build_manager
@@ -44,8 +44,11 @@ def test_salt_and_lora_are_in_the_namespace():
 def test_a_dram_tier_alone_is_refused_shared_memory_is_not():
     with pytest.raises(ValueError, match="shm, SSD or pool"):
         ConnectorConfig(tiers=("dram:1GiB",))
-    assert ConnectorConfig(tiers=("dram:1GiB", "ssd:/x:1GiB")).shared_tiers == ("ssd:/x:1GiB",)
-    assert ConnectorConfig(tiers=("shm:/dev/shm/x:1GiB",)).shared_tiers == ("shm:/dev/shm/x:1GiB",)
+    both = ConnectorConfig(tiers=("dram:1GiB", "ssd:/x:1GiB"))
+    assert [spec.kind for spec in both.tiers] == ["dram", "ssd"] and [str(s) for s in both.shared_tiers] == ["ssd:/x:1GiB"]
+    assert [str(s) for s in ConnectorConfig(tiers=("shm:/dev/shm/x:1GiB",)).shared_tiers] == ["shm:/dev/shm/x:1GiB"]
+    with pytest.raises(ValueError, match="'ssd:1GiB'"):  # a bad spec names itself (a UserError and a ValueError)
+        ConnectorConfig.from_extra_config({"tiers": ["ssd:1GiB"]})
 
 
 def test_load_modes():

@@ -1,4 +1,4 @@
-from kvtier.index import LRUIndex
+from kvtier.lru import LRUIndex
 
 
 def test_evicts_least_recently_used_first():

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.services import free_port, wait_port
+from kvtier.testing.services import free_port, wait_port
 
-ROOT = Path(__file__).resolve().parents[4]
+ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 BLOCK_TOKENS = 32  # vLLM's CPU attention wants a multiple of 32
 START_TIMEOUT_S = 420
