@@ -35,6 +35,8 @@ from typing import Literal
 
 import torch
 
+from kvtier.codecs.codec import byte_array
+
 OffloadKind = Literal["exact", "sparse"]
 
 
@@ -200,7 +202,18 @@ class FetchArea:
         self._plan: list[tuple[int, torch.Tensor]] = []   # exact pieces, in the order they are attended to
         self._next = 0                                     # index of the next piece to take
         self._pending: Future | None = None
-        self.host: torch.Tensor | None = None              # [num_slots, L, 2, H, T, D] view of the DRAM slots
+        self._host: torch.Tensor | None = None             # [num_slots, L, 2, H, T, D] view of the DRAM slots
+        self._host_bytes = None                            # its numpy byte view (CPU)
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        return self._host
+
+    @host.setter
+    def host(self, payloads: torch.Tensor) -> None:
+        """`[num_slots, L, 2, H, T, D]` view of the host memory's slots (`TierManager.host_payloads`)."""
+        self._host = payloads
+        self._host_bytes = byte_array(payloads) if payloads.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
@@ -244,11 +257,14 @@ class FetchArea:
         assert n <= self.half_blocks, (n, self.half_blocks)
         two, h, t, d = self.block_shape
         out = self._half(half, (two, h, n, t, d))
-        host_layer = self.host[:, layer].permute(1, 2, 0, 3, 4)  # [2, H, num_slots, T, D], strided
         if self.device.type == "cpu":
-            torch.index_select(host_layer, 2, slots, out=out)
+            # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
+            # beside a forward that already uses them (the same reason as RawArena.write_block)
+            dst, src = byte_array(out), self._host_bytes[:, layer]  # [2, H, n, T, D B], [S, 2, H, T, D B]
+            for j, slot in enumerate(slots.tolist()):
+                dst[:, :, j] = src[slot]
         else:
-            out.copy_(host_layer.index_select(2, slots), non_blocking=False)
+            out.copy_(self.host[:, layer].permute(1, 2, 0, 3, 4).index_select(2, slots), non_blocking=False)
         return out
 
     def spare_half(self) -> int:
@@ -261,11 +277,14 @@ class FetchArea:
         assert k <= self.half_blocks, (k, self.half_blocks)
         two, _, t, d = self.block_shape
         out = self._half(half, (h, two, k, t, d))
-        host_layer = self.host[:, layer].permute(2, 1, 0, 3, 4)  # [H, 2, num_slots, T, D]
-        for head in range(h):
-            if self.device.type == "cpu":
-                torch.index_select(host_layer[head], 1, slots[:, head], out=out[head])
-            else:
+        if self.device.type == "cpu":
+            dst, src = byte_array(out), self._host_bytes[:, layer]  # [H, 2, k, T, D B], [S, 2, H, T, D B]
+            for j, row in enumerate(slots.tolist()):
+                for head, slot in enumerate(row):
+                    dst[head, :, j] = src[slot, :, head]
+        else:
+            host_layer = self.host[:, layer].permute(2, 1, 0, 3, 4)  # [H, 2, num_slots, T, D]
+            for head in range(h):
                 out[head].copy_(host_layer[head].index_select(1, slots[:, head]))
         return out
 
