@@ -25,8 +25,35 @@ def test_shared_options_have_the_serve_defaults_and_help():
                          "with '+zstd'\n"),
     (["--kv-codec", "int4", "--device-kv-budget", "1MiB"],
      "kvtier: error: --kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine\n"),
+    (["--kv-offload", "exact"],
+     "kvtier: error: --kv-offload needs --device-kv-budget (the device memory the request exceeds)\n"),
+    (["--kv-offload", "sometimes"], "kvtier: error: kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 "
+                                    "or a number of blocks), got 'sometimes'\n"),
 ])
 def test_bad_shared_options_exit_2_before_loading_a_model(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
         main(["generate", "--prompt", "hello", *argv])
     assert info.value.code == 2 and capsys.readouterr().err == message
+
+
+def test_kv_offload_generates_through_the_engine_exactly(tiny_model):
+    """A prompt longer than the device budget: the engine path, the same tokens as model.generate."""
+    import torch
+
+    from kvtier.codecs import get_codec
+    from kvtier.config import EngineConfig
+    from kvtier.generate_cli import run_engine_generate
+    from kvtier.tiers.manager import build_manager
+
+    prompt = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = tiny_model.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 70:].tolist()
+    layout = tiny_model.kv_layout(8)
+    manager = build_manager(["dram:8MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    config = EngineConfig(device_kv_budget_bytes=8 * layout.block_bytes, block_tokens=8, kv_offload="exact",
+                          offload_fetch_blocks=3)
+    try:
+        result = run_engine_generate(tiny_model, manager, prompt, max_new_tokens=12, config=config)
+    finally:
+        manager.close()
+    assert result.text == str(ref) and result.new_tokens == len(ref)
+    assert result.offload["mode"] == "exact" and result.offload["host_kv_bytes"] > 0

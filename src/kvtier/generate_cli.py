@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import typer
@@ -33,6 +33,7 @@ class GenerateResult:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     stored_blocks: int = 0
     tier_stats: dict[str, dict] = field(default_factory=dict)
+    offload: dict | None = None  # --kv-offload: what the long context cost (engine/offload.py OffloadStats)
 
 
 def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
@@ -103,6 +104,36 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
         hit_tokens_by_tier=dict(cache.prefix.hit_tokens_by_tier), stored_blocks=stored)
 
 
+def run_engine_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, config) -> GenerateResult:
+    """`--kv-offload`: the same greedy generation through the serving engine (`LLMEngine`), whose
+    device budget may be smaller than the request: its middle blocks live in the DRAM tier."""
+    from kvtier.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(loaded, config, manager)
+    start = time.perf_counter()
+    engine.add_request("generate", list(prompt_ids), SamplingParams(max_tokens=max_new_tokens))
+    new_ids, first, last = [], None, None
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                new_ids += out.new_token_ids
+                first = first or time.perf_counter()
+                last = out
+        engine.wait_for_transfers()
+    finally:
+        engine.close()
+    end = time.perf_counter()
+    first = first or end
+    text = loaded.tokenizer.decode(new_ids, skip_special_tokens=True) if loaded.tokenizer else str(new_ids)
+    return GenerateResult(
+        text=text, ttft_s=first - start, total_s=end - start, prompt_tokens=len(prompt_ids),
+        cached_tokens=last.num_cached_tokens if last else 0, new_tokens=len(new_ids),
+        decode_tokens_per_s=(len(new_ids) - 1) / (end - first) if len(new_ids) > 1 and end > first else 0.0,
+        hit_tokens_by_tier=dict(last.cached_tokens_by_tier) if last else {},
+        stored_blocks=engine.stats().num_blocks_written_to_tiers,
+        offload=last.offload.to_dict() if last is not None and last.offload is not None else None)
+
+
 def _print_result(result: GenerateResult) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -116,6 +147,10 @@ def _print_result(result: GenerateResult) -> None:
     table.add_row(str(result.prompt_tokens), str(result.cached_tokens), hits, f"{result.ttft_s * 1000:.1f} ms",
                   f"{result.decode_tokens_per_s:.1f}", str(result.stored_blocks))
     console.print(table)
+    if result.offload:
+        o = result.offload
+        console.print(f"offload {o['mode']}: peak device KV {o['peak_device_kv_bytes']:,} B, host KV "
+                      f"{o['host_kv_bytes']:,} B, fetched {o['fetched_bytes_per_decode_token']:,.0f} B per decode token")
 
 
 def _shared_settings():
@@ -123,7 +158,8 @@ def _shared_settings():
     from kvtier.config import pick
     from kvtier.server.config import ServeConfig
 
-    return pick(ServeConfig.settings(), "model", "codec", "kv_codec", "block_tokens")
+    return pick(ServeConfig.settings(), "model", "codec", "kv_codec", "block_tokens", "kv_offload",
+                "offload_sink_blocks", "offload_recent_blocks", "offload_fetch_blocks")
 
 
 def register(app: typer.Typer) -> None:
@@ -141,7 +177,9 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
         *, settings: dict,
     ) -> None:
-        """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics."""
+        """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics. With
+        --kv-offload (and --device-kv-budget), through the serving engine: a prompt longer than the
+        device budget keeps its middle blocks in the DRAM tier."""
         from kvtier import models
         from kvtier.codecs import get_codec
         from kvtier.config import EngineConfig, from_settings
@@ -154,6 +192,8 @@ def register(app: typer.Typer) -> None:
         shared = from_settings(EngineConfig, settings, what="generate")  # checked as `kvtier serve` checks them
         if shared.kv_codec != "raw" and device_kv_budget:
             raise UserError("--kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine")
+        if shared.offload_mode() is not None and not device_kv_budget:
+            raise UserError("--kv-offload needs --device-kv-budget (the device memory the request exceeds)")
         text = prompt if prompt is not None else prompt_file.read_text()
         loaded = models.load(model)
         if loaded.tokenizer is None:
@@ -162,10 +202,15 @@ def register(app: typer.Typer) -> None:
         layout = loaded.kv_layout(shared.block_tokens)
         manager = build_manager(tier_specs(tiers, ssd_dir=ssd_dir, pool_url=pool_url),
                                 slot_bytes=get_codec(shared.codec).max_encoded_bytes(layout))
+        prompt_ids = loaded.tokenizer(text).input_ids
         try:
-            result = run_generate(loaded, manager, loaded.tokenizer(text).input_ids, max_new_tokens=max_new_tokens,
-                                  codec=shared.codec, device_kv_budget_bytes=budget, block_tokens=shared.block_tokens,
-                                  kv_codec=shared.kv_codec)
+            if shared.offload_mode() is not None:
+                config = replace(shared, device_kv_budget_bytes=budget)
+                result = run_engine_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens, config=config)
+            else:
+                result = run_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens,
+                                      codec=shared.codec, device_kv_budget_bytes=budget,
+                                      block_tokens=shared.block_tokens, kv_codec=shared.kv_codec)
             manager.flush()
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:
