@@ -92,6 +92,8 @@ class EngineStats:
     host_blocks_reserved: int = 0   # host slots set aside for the offloaded requests admitted
     offload_fetched_bytes: int = 0  # host -> device, all offloaded requests so far
     offload_fetch_seconds: float = 0.0
+    offload_copied_bytes: int = 0   # host -> fetch area copies, and the time they took (overlapped or not)
+    offload_copy_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -427,7 +429,8 @@ class LLMEngine:
                            self.arena.block_bytes, len(s.loading), self.step_tier_io_seconds,
                            ts.load_seconds if ts else 0.0, ts.store_seconds if ts else 0.0,
                            self.num_tokens_computed, ts.num_blocks_loaded if ts else 0,
-                           str(self.offload_mode or "off"), self.device_kv_bytes, *self._offload_now())
+                           str(self.offload_mode or "off"), self.device_kv_bytes, *self._offload_now(),
+                           self.fetch.copied_bytes if self.fetch else 0, self.fetch.copy_seconds if self.fetch else 0.0)
 
     @property
     def device_kv_bytes(self) -> int:

@@ -204,6 +204,9 @@ class FetchArea:
         self._pending: Future | None = None
         self._host: torch.Tensor | None = None             # [num_slots, L, 2, H, T, D] view of the DRAM slots
         self._host_bytes = None                            # its numpy byte view (CPU)
+        # the copies themselves (on the fetch thread for exact pieces), for copy bandwidth vs a memcpy
+        self.copied_bytes = 0
+        self.copy_seconds = 0.0
 
     @property
     def host(self) -> torch.Tensor | None:
@@ -257,6 +260,7 @@ class FetchArea:
         assert n <= self.half_blocks, (n, self.half_blocks)
         two, h, t, d = self.block_shape
         out = self._half(half, (two, h, n, t, d))
+        start = time.perf_counter()
         if self.device.type == "cpu":
             # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
             # beside a forward that already uses them (the same reason as RawArena.write_block)
@@ -265,7 +269,12 @@ class FetchArea:
                 dst[:, :, j] = src[slot]
         else:
             out.copy_(self.host[:, layer].permute(1, 2, 0, 3, 4).index_select(2, slots), non_blocking=False)
+        self._count(out, start)
         return out
+
+    def _count(self, out: torch.Tensor, start: float) -> None:
+        self.copy_seconds += time.perf_counter() - start
+        self.copied_bytes += out.numel() * out.element_size()
 
     def spare_half(self) -> int:
         """The half no exact piece is being fetched into now (sparse fetches go there)."""
@@ -277,6 +286,7 @@ class FetchArea:
         assert k <= self.half_blocks, (k, self.half_blocks)
         two, _, t, d = self.block_shape
         out = self._half(half, (h, two, k, t, d))
+        start = time.perf_counter()
         if self.device.type == "cpu":
             dst, src = byte_array(out), self._host_bytes[:, layer]  # [H, 2, k, T, D B], [S, 2, H, T, D B]
             for j, row in enumerate(slots.tolist()):
@@ -286,6 +296,7 @@ class FetchArea:
             host_layer = self.host[:, layer].permute(2, 1, 0, 3, 4)  # [H, 2, num_slots, T, D]
             for head in range(h):
                 out[head].copy_(host_layer[head].index_select(1, slots[:, head]))
+        self._count(out, start)
         return out
 
     def end(self) -> None:
