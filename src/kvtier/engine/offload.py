@@ -170,12 +170,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [H, G, N, D] (G query heads per KV head) over k, v [H, M, D], with its
     log-sum-exp: (out [H, G, N, D], lse [H, G, N]). `mask` [N, M]: True where a key may be seen."""
-    scores = torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * scale  # [H, G, N, M]
+    h, g, n, d = q.shape
+    # one batched GEMM per KV head over its whole query group: K is read once, never expanded G times
+    scores = torch.bmm(q.reshape(h, g * n, d), k.transpose(1, 2)).view(h, g, n, -1)  # [H, G, N, M]
+    scores *= scale
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores.masked_fill_(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    return torch.matmul(probs, v.unsqueeze(1)), lse
+    scores -= lse.unsqueeze(-1)
+    probs = scores.exp_()
+    return torch.bmm(probs.view(h, g * n, -1), v).view(h, g, n, d), lse
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
