@@ -49,7 +49,7 @@ def test_kv_offload_generates_through_the_engine_exactly(tiny_model):
     ref = tiny_model.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 70:].tolist()
     layout = tiny_model.kv_layout(8)
     manager = build_manager(["dram:8MiB"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
-    config = EngineConfig(device_kv_budget_bytes=8 * layout.block_bytes, block_tokens=8, kv_offload="exact",
+    config = EngineConfig(device_kv_budget_bytes=12 * layout.block_bytes, block_tokens=8, kv_offload="exact",
                           offload_fetch_blocks=3)
     try:
         result = run_engine_generate(tiny_model, manager, prompt, max_new_tokens=12, config=config)

@@ -19,7 +19,7 @@ from engine_support import reference  # noqa: E402
 
 BLOCK = 8
 NEW = 24
-DEVICE_BLOCKS = 8  # 64 tokens of budget, the fetch area included: every prompt below is longer
+DEVICE_BLOCKS = 12  # 96 tokens of budget, half of it the fetch area: every request below is longer than 48
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +33,12 @@ def refs(tiny_model, long_prompts):
     return [reference(tiny_model.model, p, NEW) for p in long_prompts]
 
 
-def make(model, mode="exact", dram="64MiB", **kwargs):
+def make(model, mode="exact", dram="64MiB", device_blocks=DEVICE_BLOCKS, **kwargs):
     layout = model.kv_layout(BLOCK)
     manager = build_manager([f"dram:{dram}"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
     kwargs.setdefault("max_prefill_tokens", 16)
     kwargs.setdefault("offload_fetch_blocks", 3)
-    config = EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * layout.block_bytes, block_tokens=BLOCK,
+    config = EngineConfig(device_kv_budget_bytes=device_blocks * layout.block_bytes, block_tokens=BLOCK,
                           kv_offload=mode, **kwargs)
     return LLMEngine(model, config, manager), manager
 
@@ -51,8 +51,12 @@ def drain(engine):
     return outputs
 
 
-def test_exact_offload_equals_everything_on_the_device(tiny_model, long_prompts, refs):
-    engine, manager = make(tiny_model)
+@pytest.mark.parametrize("fetch_blocks, device_blocks", [
+    (3, DEVICE_BLOCKS),  # more host blocks than half the fetch area: pieces merged by log-sum-exp
+    (12, 20),            # all of them fit: host blocks + window in one SDPA call (5 device blocks)
+])
+def test_exact_offload_equals_everything_on_the_device(tiny_model, long_prompts, refs, fetch_blocks, device_blocks):
+    engine, manager = make(tiny_model, offload_fetch_blocks=fetch_blocks, device_blocks=device_blocks)
     budget = engine.config.device_kv_budget_bytes
     assert engine.device_kv_bytes <= budget  # arena + fetch area, allocated once
     for i, prompt in enumerate(long_prompts):  # all at once: they share the device window and fetch area

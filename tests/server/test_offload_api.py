@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from server_support import running, tiny_app  # noqa: E402
 
-DEVICE_BLOCKS = 8     # 64 tokens of 8: every prompt below is longer
+DEVICE_BLOCKS = 12    # 96 tokens of 8, half of it the fetch area: every prompt below is longer
 PROMPT = ("Now is the winter of our discontent made glorious summer by this sun of York; and all the clouds "
           "that lour'd upon our house in the deep bosom of the ocean buried. ")  # 158 bytes = 158 tokens
 

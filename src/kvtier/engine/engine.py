@@ -146,14 +146,16 @@ class LLMEngine:
         layout, config = self.layout, self.config
         layer_block_bytes = layout.block_bytes // layout.num_layers
         half = config.offload_fetch_blocks or max(1, config.device_kv_budget_bytes // 8 // (2 * layer_block_bytes))
+        window_tokens = (config.offload_sink_blocks + config.offload_recent_blocks) * layout.block_tokens
         fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
-                          getattr(torch, layout.dtype), device)
+                          getattr(torch, layout.dtype), device, window_tokens)
         if fetch.nbytes >= config.device_kv_budget_bytes:
             raise ValueError(f"kv_offload: a fetch area of {fetch.nbytes:,} B does not fit the device KV budget "
                              f"({config.device_kv_budget_bytes:,} B): lower offload_fetch_blocks")
         fetch.host = manager.host_payloads(getattr(torch, layout.dtype), layout.block_shape)
         self.host_slots = host.num_slots
         return fetch
+
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     namespace: str = "") -> None:

@@ -34,6 +34,7 @@ from fractions import Fraction
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from kvtier.codecs.codec import byte_array
 
@@ -190,17 +191,21 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.
 
 
 class FetchArea:
-    """The device memory host blocks are attended from: two halves of `half_blocks` layer-blocks
-    `[2, H, T, D]` each. Exact fetches run one piece ahead on a thread (CPU), so piece i + 1 lands in
-    one half while piece i is attended to from the other."""
+    """The device memory host blocks are attended from: two halves, each `[2 (K, V), H, tokens, D]`
+    with room for `half_blocks` host blocks and, after them, the sequence's device window, so one
+    attention call covers the whole context when its host blocks fit a half. Exact fetches run one
+    piece ahead on a thread (CPU): piece i + 1 lands in one half while piece i is attended to from
+    the other."""
 
     def __init__(self, half_blocks: int, num_kv_heads: int, block_tokens: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, window_tokens: int = 0) -> None:
         if half_blocks <= 0:
             raise ValueError("the fetch area must hold at least one layer-block per half")
         self.half_blocks = half_blocks
-        self.block_shape = (2, num_kv_heads, block_tokens, head_dim)
-        self.buffer = torch.zeros((2, half_blocks, *self.block_shape), dtype=dtype, device=device)
+        self.block_tokens = block_tokens
+        self.window_tokens = window_tokens
+        tokens = half_blocks * block_tokens + window_tokens
+        self.buffer = torch.zeros((2, 2, num_kv_heads, tokens, head_dim), dtype=dtype, device=device)
         self.device = device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch") if device.type == "cpu" else None
         self._plan: list[tuple[int, torch.Tensor]] = []   # exact pieces, in the order they are attended to
@@ -208,6 +213,7 @@ class FetchArea:
         self._pending: Future | None = None
         self._host: torch.Tensor | None = None             # [num_slots, L, 2, H, T, D] view of the DRAM slots
         self._host_bytes = None                            # its numpy byte view (CPU)
+        self._buffer_bytes = byte_array(self.buffer) if device.type == "cpu" else None
         # the copies themselves (on the fetch thread for exact pieces), for copy bandwidth vs a memcpy
         self.copied_bytes = 0
         self.copy_seconds = 0.0
@@ -233,75 +239,70 @@ class FetchArea:
         if plan:
             self._pending = self._submit(0)
 
-    def take(self) -> tuple[torch.Tensor, float]:
-        """The next planned piece [n, 2, H, T, D] (in the fetch area), and the seconds waited for it."""
+    def take(self) -> tuple[int, int, float]:
+        """The next planned piece: (its half, its tokens there, the seconds waited for it)."""
         i = self._next
         start = time.perf_counter()
-        piece = self._pending.result() if self._pending is not None else self._fetch(i)
+        num_tokens = self._pending.result() if self._pending is not None else self._fetch(i)
         waited = time.perf_counter() - start
         self._next += 1
         self._pending = self._submit(self._next) if self._next < len(self._plan) else None
-        return piece, waited
+        return i % 2, num_tokens, waited
 
     def _submit(self, i: int) -> Future | None:
         if self._pool is None:
             return None  # CUDA: fetched at take() on the current stream
         return self._pool.submit(self._fetch, i)
 
-    def _fetch(self, i: int) -> torch.Tensor:
+    def _fetch(self, i: int) -> int:
         layer, slots = self._plan[i]
-        return self.gather(layer, slots, half=i % 2)
-
-    def _half(self, half: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """A contiguous view of `shape` at the start of one half."""
-        flat = self.buffer[half].view(-1)
-        return flat[:math.prod(shape)].view(shape)
-
-    def gather(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
-        """Layer `layer` of the host blocks in `slots` into one half as [2, H, n, T, D]: K and V of
-        each head contiguous over the blocks (attention views them as [H, n T, D], no copy)."""
-        n = slots.numel()
-        assert n <= self.half_blocks, (n, self.half_blocks)
-        two, h, t, d = self.block_shape
-        out = self._half(half, (two, h, n, t, d))
-        start = time.perf_counter()
-        if self.device.type == "cpu":
-            # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
-            # beside a forward that already uses them (the same reason as RawArena.write_block)
-            dst, src = byte_array(out), self._host_bytes[:, layer]  # [2, H, n, T, D B], [S, 2, H, T, D B]
-            for j, slot in enumerate(slots.tolist()):
-                dst[:, :, j] = src[slot]
-        else:
-            out.copy_(self.host[:, layer].permute(1, 2, 0, 3, 4).index_select(2, slots), non_blocking=False)
-        self._count(out, start)
-        return out
-
-    def _count(self, out: torch.Tensor, start: float) -> None:
-        self.copy_seconds += time.perf_counter() - start
-        self.copied_bytes += out.numel() * out.element_size()
+        return self.gather(layer, slots[:, None].expand(-1, self.buffer.shape[2]), half=i % 2)
 
     def spare_half(self) -> int:
         """The half no exact piece is being fetched into now (sparse fetches go there)."""
         return (self._next + 1) % 2 if self._pending is not None else self._next % 2
 
-    def gather_heads(self, layer: int, slots: torch.Tensor, half: int) -> torch.Tensor:
-        """Sparse: slots [k, H] (each KV head its own blocks) -> [H, 2, k, T, D] in one half."""
-        k, h = slots.shape
-        assert k <= self.half_blocks, (k, self.half_blocks)
-        two, _, t, d = self.block_shape
-        out = self._half(half, (h, two, k, t, d))
+    def gather(self, layer: int, slots: torch.Tensor, half: int) -> int:
+        """Layer `layer` of host blocks into one half: slots [n, H], block j of head h is `slots[j, h]`
+        (exact: the same for every head; sparse: each head its own). Lands at tokens [0, n T) of the
+        half, each head's K and V contiguous. Returns n T."""
+        n, h = slots.shape
+        assert n <= self.half_blocks, (n, self.half_blocks)
+        t = self.block_tokens
         start = time.perf_counter()
         if self.device.type == "cpu":
-            dst, src = byte_array(out), self._host_bytes[:, layer]  # [H, 2, k, T, D B], [S, 2, H, T, D B]
-            for j, row in enumerate(slots.tolist()):
-                for head, slot in enumerate(row):
-                    dst[head, :, j] = src[slot, :, head]
+            # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
+            # beside a forward that already uses them (the same reason as RawArena.write_block)
+            dst, src = self._buffer_bytes[half], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
+            rows = slots.tolist()
+            if all(len(set(row)) == 1 for row in rows):  # every head the same block: one copy per block
+                for j, row in enumerate(rows):
+                    dst[:, :, j * t:(j + 1) * t] = src[row[0]]
+            else:
+                for j, row in enumerate(rows):
+                    for head, slot in enumerate(row):
+                        dst[:, head, j * t:(j + 1) * t] = src[slot, :, head]
         else:
-            host_layer = self.host[:, layer].permute(2, 1, 0, 3, 4)  # [H, 2, num_slots, T, D]
-            for head in range(h):
-                out[head].copy_(host_layer[head].index_select(1, slots[:, head]))
-        self._count(out, start)
-        return out
+            host_layer = self.host[:, layer]  # [S, 2, H, T, D]
+            heads = torch.arange(h, device=slots.device)
+            picked = host_layer[slots.T, :, heads[:, None]]  # [H, n, 2, T, D]
+            self.buffer[half, :, :, :n * t].copy_(picked.permute(2, 0, 1, 3, 4).reshape(2, h, n * t, -1))
+        self.copy_seconds += time.perf_counter() - start
+        self.copied_bytes += 2 * h * n * t * self.buffer.shape[-1] * self.buffer.element_size()
+        return n * t
+
+    def kv(self, half: int, num_tokens: int) -> torch.Tensor:
+        """[2, H, num_tokens, D]: the first tokens of a half."""
+        return self.buffer[half, :, :, :num_tokens]
+
+    def append_window(self, half: int, num_tokens: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Put the device window k, v [H, m, D] after the `num_tokens` host tokens of a half: the
+        sequence's whole context [2, H, num_tokens + m, D], ready for one attention call."""
+        m = k.shape[1]
+        assert m <= self.window_tokens + (self.half_blocks * self.block_tokens - num_tokens), (m, num_tokens)
+        self.buffer[half, 0, :, num_tokens:num_tokens + m] = k
+        self.buffer[half, 1, :, num_tokens:num_tokens + m] = v
+        return self.buffer[half, :, :, :num_tokens + m]
 
     def end(self) -> None:
         if self._pending is not None:
@@ -316,7 +317,10 @@ class FetchArea:
 
 class OffloadAttention:
     """Attention of an offloaded sequence: its device window (sinks + recent, from the arena) and
-    its host blocks (through the fetch area), merged by log-sum-exp."""
+    its host blocks (through the fetch area). When the blocks it reads fit one half of the fetch
+    area (the usual case), the window is appended after them and one SDPA call (the kernel the
+    rest of the engine uses) covers the whole context; otherwise the pieces are merged by their
+    log-sum-exp."""
 
     def __init__(self, fetch: FetchArea, num_layers: int) -> None:
         self.fetch = fetch
@@ -342,39 +346,65 @@ class OffloadAttention:
         """q [Hq, N, D]; k_dev, v_dev [H, M, D] (the device window) -> out [Hq, N, D]."""
         h = k_dev.shape[0]
         hq, n, d = q.shape
+        dev_mask = off.key_positions[None, :] <= off.q_positions[:, None]  # [N, M]
+        num_host = off.slots.numel()
+        if self._sparse(off):
+            blocks = self._sparse_slots(layer, q.view(h, hq // h, n, d), off)  # [k, H]
+        else:
+            blocks = off.slots[:, None].expand(-1, h)
+        if blocks.shape[0] <= self.fetch.half_blocks:  # one call over [host blocks, window]
+            if num_host == 0:
+                return F.scaled_dot_product_attention(q[None], k_dev[None], v_dev[None], attn_mask=dev_mask,
+                                                      scale=scale, enable_gqa=hq != h)[0]
+            half, num_tokens = self._fetch_one(layer, blocks, off)
+            kv = self.fetch.append_window(half, num_tokens, k_dev, v_dev)
+            mask = None
+            if n > 1:  # every host token precedes every query; the window is causal by position
+                mask = torch.cat([torch.ones((n, num_tokens), dtype=torch.bool, device=q.device), dev_mask], dim=1)
+            return F.scaled_dot_product_attention(q[None], kv[0][None], kv[1][None], attn_mask=mask, scale=scale,
+                                                  enable_gqa=hq != h)[0]
         q4 = q.view(h, hq // h, n, d)
-        mask = off.key_positions[None, :] <= off.q_positions[:, None]
-        out, lse = attend(q4, k_dev, v_dev, mask, scale)
-        if off.slots.numel():
-            pieces = self._sparse_pieces(layer, q4, off) if self._sparse(off) else self._exact_pieces(off)
-            for k_host, v_host in pieces:
-                out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
+        out, lse = attend(q4, k_dev, v_dev, dev_mask, scale)
+        for k_host, v_host in self._pieces(layer, blocks, off):
+            out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
         return out.view(hq, n, d)
 
-    def _exact_pieces(self, off: SeqOffload):
-        num_pieces = -(-off.slots.numel() // self.fetch.half_blocks)
-        for _ in range(num_pieces):
-            piece, waited = self.fetch.take()  # [2, H, n, T, D]
-            self._count(off, piece, waited)
-            _, h, n, t, d = piece.shape
-            yield piece[0].view(h, n * t, d), piece[1].view(h, n * t, d)
-
-    def _sparse_pieces(self, layer: int, q4: torch.Tensor, off: SeqOffload):
-        """Score the host blocks by Quest's bound for each KV head, fetch the top ones."""
-        k = off.mode.num_fetched(off.slots.numel())
-        top = select_blocks(quest_scores(off.summaries[:, layer], q4[:, :, -1]), k)  # [k, H]
-        slots = off.slots[top.to(off.slots.device)]  # [k, H]
-        half_blocks = self.fetch.half_blocks
-        for i in range(0, k, half_blocks):
+    def _fetch_one(self, layer: int, blocks: torch.Tensor, off: SeqOffload) -> tuple[int, int]:
+        """The sequence's host blocks of this layer in one half: (half, tokens)."""
+        if self._sparse(off):
             start = time.perf_counter()
-            piece = self.fetch.gather_heads(layer, slots[i:i + half_blocks], self.fetch.spare_half())  # [H, 2, k', T, D]
-            self._count(off, piece, time.perf_counter() - start)
-            h, _, n, t, d = piece.shape
-            yield piece[:, 0].reshape(h, n * t, d), piece[:, 1].reshape(h, n * t, d)
+            half = self.fetch.spare_half()
+            num_tokens = self.fetch.gather(layer, blocks, half)
+            self._count(off, num_tokens, time.perf_counter() - start)
+            return half, num_tokens
+        half, num_tokens, waited = self.fetch.take()
+        self._count(off, num_tokens, waited)
+        return half, num_tokens
+
+    def _pieces(self, layer: int, blocks: torch.Tensor, off: SeqOffload):
+        """More blocks than a half holds: one half-full piece at a time, as K, V [H, tokens, D]."""
+        for i in range(0, blocks.shape[0], self.fetch.half_blocks):
+            if self._sparse(off):
+                start = time.perf_counter()
+                half = self.fetch.spare_half()
+                num_tokens = self.fetch.gather(layer, blocks[i:i + self.fetch.half_blocks], half)
+                waited = time.perf_counter() - start
+            else:
+                half, num_tokens, waited = self.fetch.take()
+            self._count(off, num_tokens, waited)
+            kv = self.fetch.kv(half, num_tokens)
+            yield kv[0], kv[1]
 
     @staticmethod
-    def _count(off: SeqOffload, piece: torch.Tensor, seconds: float) -> None:
-        num_bytes = piece.numel() * piece.element_size()
+    def _sparse_slots(layer: int, q4: torch.Tensor, off: SeqOffload) -> torch.Tensor:
+        """Quest's pick for each KV head: the host slots [k, H] of its top blocks, in context order."""
+        k = off.mode.num_fetched(off.slots.numel())
+        top = select_blocks(quest_scores(off.summaries[:, layer], q4[:, :, -1]), k)  # [k, H]
+        return off.slots[top.to(off.slots.device)]
+
+    def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> None:
+        buffer = self.fetch.buffer
+        num_bytes = 2 * buffer.shape[2] * num_tokens * buffer.shape[-1] * buffer.element_size()
         off.stats.fetched_bytes += num_bytes
         off.stats.fetch_seconds += seconds
         if off.decode:
