@@ -33,7 +33,7 @@ def build_app(config):
             manager.close()
 
     tokenizer = loaded.tokenizer or ByteTokenizer()
-    return create_app(AsyncEngine(engine), tokenizer, config.served_model_name or loaded.name,
+    return create_app(AsyncEngine(engine), tokenizer, config.model_names(loaded.name),
                       manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace)
 
 
@@ -42,7 +42,8 @@ def register(app: typer.Typer) -> None:
     def serve_command(
         config_file: str = typer.Option(None, "--config", help="TOML or YAML file with any of these settings"),
         model: str = typer.Option(None, help="smollm2 (default, embedded), tiny, or a local HF model directory"),
-        served_model_name: str = typer.Option(None, help="the model id clients send and /v1/models lists"),
+        served_model_name: list[str] = typer.Option(None, help="the model id clients send and /v1/models lists; "
+                                                              "repeat for aliases [the model's name]"),
         host: str = typer.Option(None, help="bind address [127.0.0.1]"),
         port: int = typer.Option(None, help="port [8000]"),
         device_kv_budget: str = typer.Option(None, help="device KV arena size, e.g. 512MiB [512MiB]"),
@@ -67,7 +68,7 @@ def register(app: typer.Typer) -> None:
 
         from kvtier.server.config import ServeConfig
 
-        config = ServeConfig.load(config_file, model=model, served_model_name=served_model_name, host=host,
+        config = ServeConfig.load(config_file, model=model, served_model_name=served_model_name or None, host=host,
                                   port=port, device_kv_budget=device_kv_budget, block_tokens=block_tokens,
                                   tiers=[] if no_tiers else (list(tier or []) or None), codec=codec, kv_codec=kv_codec,
                                   tier_writes=tier_writes,

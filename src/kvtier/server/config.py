@@ -19,7 +19,7 @@ def default_tiers() -> list[str]:
 @dataclass(slots=True)
 class ServeConfig:
     model: str = "smollm2"
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # one name or several aliases
     host: str = "127.0.0.1"
     port: int = 8000
     device_kv_budget: str = "512MiB"
@@ -47,6 +47,15 @@ class ServeConfig:
         if self.kv_codec not in ARENA_CODECS:
             raise UserError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         parse_bytes(self.device_kv_budget)
+        if self.served_model_name is not None and not self.model_names("x"):
+            raise UserError("served_model_name must name at least one model")
+
+    def model_names(self, default: str) -> list[str]:
+        """The names a request's `model` may be (the first is the one reports use)."""
+        if self.served_model_name is None:
+            return [default]
+        names = [self.served_model_name] if isinstance(self.served_model_name, str) else self.served_model_name
+        return [name for name in names if name]
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides) -> "ServeConfig":
