@@ -83,7 +83,7 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "mm_processor_kwargs": ((None,), "no multimodal input"),
     "return_prompt_text": ((None, False), "the prompt text is not returned (echo it with /v1/completions)"),
 }
-REFUSED["echo"] = ((None, False), "echo is for /v1/completions only")  # a chat field of vLLM's
+CHAT_REFUSED = {**REFUSED, "echo": ((None, False), "echo is for /v1/completions only")}  # a chat field of vLLM's
 
 
 class FieldError(ValueError):
@@ -97,10 +97,11 @@ class FieldError(ValueError):
 def check_fields(req: "_SamplingFields") -> None:
     """Raise `FieldError` for the first extra field that is unknown or asks for what kvtier does not do,
     then for fields that contradict each other."""
+    refused = req.refused_fields()
     for name, value in (req.model_extra or {}).items():
-        if name not in REFUSED:
+        if name not in refused:
             raise FieldError(name, f"unknown field {name!r}: neither OpenAI's nor vLLM's request schema has it")
-        accepted, why = REFUSED[name]
+        accepted, why = refused[name]
         if not any(value is ok or (value == ok and type(value) is type(ok)) for ok in accepted):
             raise FieldError(name, f"{name} is not supported: {why}")
     req.check_consistent()
@@ -178,6 +179,10 @@ class _SamplingFields(BaseModel):
 
     def num_choices(self) -> int:
         return self.n
+
+    @classmethod
+    def refused_fields(cls) -> dict[str, tuple[tuple, str]]:
+        return REFUSED
 
     def check_consistent(self) -> None:
         if self.stream and self.prompt_logprobs is not None:
@@ -268,6 +273,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("top_logprobs", "top_logprobs needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
             raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt false")
+
+    @classmethod
+    def refused_fields(cls) -> dict[str, tuple[tuple, str]]:
+        return CHAT_REFUSED
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
