@@ -5,11 +5,18 @@ Every bad request is answered with a 4xx and an OpenAI-style error body before i
 engine (any body the JSON parser rejects, too deep or with a huge integer included; a body cut
 short by the client is dropped quietly); a request that fails or whose client goes away — streaming
 or not — is aborted in the engine alone. `max_tokens` beyond what fits is rejected
-(`context_length_exceeded`), never clamped.
+(`context_length_exceeded`), never clamped. A `model` the server does not serve is a 404 that names
+the ones it does; a field kvtier does not implement is a 400 that names it (`protocol.REFUSED`).
+
+A request becomes one engine request per choice: `n` (or `best_of`, of which the n with the highest
+cumulative logprob are returned) per prompt, prompts being one or a batch (/v1/completions); engine
+request "<response id>-<prompt>-<choice>". Seeded choices get seed, seed + 1, ... (vLLM's). Streams of
+several choices are merged as they come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -27,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from kvtier.engine import AsyncEngine, ContextLengthError, EngineDeadError, RequestFailedError, SamplingParams
 from kvtier.server import protocol
-from kvtier.server.generation import EngineAbortedError, Generation
+from kvtier.server.generation import Delta, EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -381,7 +388,8 @@ def _completion_choice(state: ServerState, req, index: int, gen: Generation, pro
     logprobs = None
     if req.logprobs is not None:
         entries = (_top(prompt_logprobs, req.logprobs) if req.echo else []) + gen.logprobs
-        logprobs = protocol.completion_logprobs(entries, _token_text(state, req))
+        token_ids = (prompt.token_ids if req.echo else []) + gen.token_ids
+        logprobs = protocol.completion_logprobs(token_ids, entries, _token_text(state, req))
     extra = _token_ids_extra(req, gen)
     if req.return_token_ids:
         extra["prompt_token_ids"] = prompt.token_ids
@@ -540,8 +548,9 @@ def _completion_events(state: ServerState, request_id: str, gens: list[Generatio
         logprobs = None
         if req.logprobs is not None:
             entries = (_top(gens[index].prompt_logprobs, req.logprobs) if echo else []) + delta.logprobs
-            logprobs = protocol.completion_logprobs(entries, token_text, offsets[index])
-            offsets[index] += len(text)
+            token_ids = (prompt.token_ids if echo else []) + delta.token_ids
+            logprobs = protocol.completion_logprobs(token_ids, entries, token_text, offsets[index])
+            offsets[index] += sum(len(token) for token in logprobs["tokens"])
         if not text and not (logprobs and logprobs["tokens"]):
             return None
         extra = {"token_ids": delta.token_ids} if req.return_token_ids else {}

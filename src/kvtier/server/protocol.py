@@ -300,23 +300,23 @@ def add_usage(usages: list[dict]) -> dict:
                  sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages))
 
 
-def completion_logprobs(entries: list[TokenLogprob | None], token_text, first_offset: int = 0) -> dict:
+def completion_logprobs(token_ids: list[int], entries: list[TokenLogprob | None], token_text,
+                        first_offset: int = 0) -> dict:
     """The legacy completions object: tokens, their logprobs, the top ones (with the token itself, as
-    vLLM does) and each token's character offset in the choice's text. `None` entries (a prompt's
-    first token) have no logprob."""
+    vLLM does) and each token's character offset in the choice's text. A `None` entry (an echoed
+    prompt's first token) has no logprob."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     offset = first_offset
-    for entry in entries:
-        if entry is None:
-            tokens.append(None), token_logprobs.append(None), top_logprobs.append(None)
-            text_offset.append(offset)
-            continue
-        text = token_text(entry.token_id)
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(entry.logprob)
-        top_logprobs.append({**{token_text(t): lp for t, lp in entry.top}, text: entry.logprob})
         text_offset.append(offset)
         offset += len(text)
+        if entry is None:
+            token_logprobs.append(None), top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry.logprob)
+        top_logprobs.append({**{token_text(t): lp for t, lp in entry.top}, text: entry.logprob})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
 
