@@ -96,6 +96,11 @@ def test_streamed_logprobs_equal_the_whole_response(tiny_server):
     joined = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
               for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     assert joined == whole["logprobs"]
+    two = sse(url, "/v1/completions", {**body, "n": 2})  # greedy: both choices are the whole response
+    for j in range(2):
+        mine = [c["choices"][0] for c in two if c["choices"] and c["choices"][0]["index"] == j]
+        assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == whole["logprobs"]["tokens"]
+        assert "".join(c["text"] for c in mine) == whole["text"]
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "logprobs": True,
             "top_logprobs": 1}
     whole_chat = post(url, "/v1/chat/completions", chat)["choices"][0]

@@ -291,12 +291,14 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         gens = []
         for i, prompt in enumerate(prompts):
             for j in range(req.num_choices()):
-                # the first choice of a prompt computes its prompt logprobs; the others take its cached prefix
+                # the first choice of a prompt computes its prompt logprobs, the others take its cached prefix
+                # (streamed: each its own, each choice's first chunk carries them)
                 wanted = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
                 logprobs = req.logprobs if req.logprobs is not None else (0 if req.num_choices() > req.n else None)
                 sampling = _sampling(state, req, len(prompt.token_ids), req.max_tokens,
                                      default_max_tokens=_DEFAULT_COMPLETION_TOKENS, seed=_seed(req, j),
-                                     logprobs=logprobs, prompt_logprobs=max(wanted) if wanted and j == 0 else None)
+                                     logprobs=logprobs,
+                                     prompt_logprobs=max(wanted) if wanted and (j == 0 or req.stream) else None)
                 gens.append(_generation(state, f"{request_id}-{i}-{j}", req, prompt.token_ids, sampling, started_at))
         if req.stream:
             return _sse(_completion_events(state, request_id, gens, req, prompts))
