@@ -109,10 +109,10 @@ def test_a_sampler_exception_fails_only_its_row(tiny_model, tiny_prompts, refs, 
 
     real_sample = model_runner.sample
 
-    def fragile(logits, temperatures, top_ps, generators):
+    def fragile(logits, temperatures, top_ps, generators, **filters):
         if bool((top_ps == 0.5).any()):
             raise RuntimeError("boom")
-        return real_sample(logits, temperatures, top_ps, generators)
+        return real_sample(logits, temperatures, top_ps, generators, **filters)
     monkeypatch.setattr(model_runner, "sample", fragile)
     requests, expected = normal(tiny_prompts, refs)
     requests["bad"] = (tiny_prompts[3], SamplingParams(max_tokens=NEW, temperature=0.7, top_p=0.5))

@@ -67,3 +67,33 @@ def test_sampled_frequencies_follow_the_probabilities():
     token_ids, _ = sample(logits, _f32([1.0] * 4000), _f32([0.75] * 4000), [gen] * 4000)
     counts = torch.bincount(token_ids, minlength=4) / 4000
     assert counts[0] == 0 and torch.allclose(counts[1:], _f32([2, 3, 4]) / 9, atol=0.03), counts
+
+
+def test_penalties_and_bias_on_hand_made_logits():
+    from kvtier.engine.sampler import Penalties, process_logits
+
+    logits = _f32([[2.0, -1.0, 0.5, 1.0], [2.0, -1.0, 0.5, 1.0]])
+    pad = 4  # the vocab size pads the id rows
+    penalties = Penalties(repetition=_f32([2.0, 1.0]), presence=_f32([0.0, 0.5]), frequency=_f32([0.0, 0.25]),
+                          output_ids=torch.tensor([[1, pad, pad], [0, 0, 3]]),
+                          seen_ids=torch.tensor([[0, 1, pad], [0, 0, 3]]))
+    bias = torch.zeros(2, 4)
+    bias[1, 2] = 3.0
+    out = process_logits(logits, bias, penalties)
+    # row 0: repetition 2 on tokens 0 (positive: halved) and 1 (negative: doubled)
+    # row 1: token 0 twice: -0.5 - 2 * 0.25; token 3 once: -0.5 - 0.25; token 2: bias + 3
+    assert out.tolist() == [[1.0, -2.0, 0.5, 1.0], [1.0, -1.0, 3.5, 0.25]]
+    assert process_logits(logits, None, None) is logits
+
+
+def test_top_k_and_min_p_limit_what_is_drawn():
+    logits = torch.log(_f32([[0.5, 0.3, 0.15, 0.05]] * 3))
+    drawn = {row: set() for row in range(3)}
+    for seed in range(200):
+        token_ids, bad = sample(logits, _f32([1.0] * 3), _f32([1.0] * 3), [_gen(seed), _gen(seed + 1000), None],
+                                top_ks=torch.tensor([2, 0, 1]), min_ps=_f32([0.0, 0.5, 0.0]))
+        assert not bad.any()
+        for row, token in enumerate(token_ids.tolist()):
+            drawn[row].add(token)
+    # top_k 2: the two most likely; min_p 0.5: p >= 0.25 (0.5, 0.3); top_k 1: the argmax
+    assert drawn == {0: {0, 1}, 1: {0, 1}, 2: {0}}

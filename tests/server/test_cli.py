@@ -148,7 +148,8 @@ def test_serve_process_answers(tmp_path):
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
     proc = subprocess.Popen([str(Path(sys.executable).parent / "kvtier"), "serve", "--model", "tiny", "--port", str(port),
                              "--device-kv-budget", "1MiB", "--block-tokens", "16", "--tier", "dram:16MiB",
-                             "--tier", f"ssd:{tmp_path / 'ssd'}:16MiB"],
+                             "--tier", f"ssd:{tmp_path / 'ssd'}:16MiB", "--served-model-name", "x",
+                             "--served-model-name", "y"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -156,6 +157,10 @@ def test_serve_process_answers(tmp_path):
         r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "Once more unto the breach, dear friends",
                                                       "max_tokens": 5, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["x", "y"]
+        unknown = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "a"}, timeout=30)
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+        assert "'x', 'y'" in unknown.json()["error"]["message"]
         tiers = [t["name"] for t in httpx.get(url + "/dashboard/data").json()["tiers"]]
         assert tiers == ["dram", "ssd"]
     finally:

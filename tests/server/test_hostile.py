@@ -88,7 +88,8 @@ def test_tiny_temperature_or_top_p_is_greedy_beside_a_stream(server, greedy, fie
     url, _, steps = server
     response, stream_id = alongside_a_stream(server, greedy, lambda: post(url, {**SHORT, **fields}))
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == greedy["short"]
-    assert any({stream_id, response.json()["id"]} <= step for step in steps)  # they really shared steps
+    # they really shared steps (a response's first choice is engine request "<id>-0-0")
+    assert any({stream_id + "-0-0", response.json()["id"] + "-0-0"} <= step for step in steps)
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}]}
@@ -147,10 +148,10 @@ def test_a_request_the_sampler_fails_gets_its_own_error(server, greedy, monkeypa
 
     real_sample = model_runner.sample
 
-    def fragile(logits, temperatures, top_ps, generators):
+    def fragile(logits, temperatures, top_ps, generators, **filters):
         if bool((top_ps == 0.25).any()):  # the marked request's row
             raise RuntimeError("sampler exploded")
-        return real_sample(logits, temperatures, top_ps, generators)
+        return real_sample(logits, temperatures, top_ps, generators, **filters)
     monkeypatch.setattr(model_runner, "sample", fragile)
     url, app, _ = server
     marked = {**SHORT, "temperature": 1.0, "top_p": 0.25}

@@ -33,12 +33,12 @@ def test_a_request_longer_than_the_device_is_served_exactly(servers):
     got, ref = post(url, body).json(), post(ref_url, body).json()
     assert got["choices"][0]["text"] == ref["choices"][0]["text"]
     assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
-    offload = got["kvtier_offload"]
+    offload = got["choices"][0]["kvtier_offload"]
     assert offload["mode"] == "exact" and offload["host_kv_bytes"] > 0 and offload["fetched_bytes"] > 0
     assert 0 < offload["peak_device_kv_bytes"] <= 3 * 4096  # 1 sink + 2 recent blocks of the tiny layout
-    assert "kvtier_offload" not in ref
+    assert "kvtier_offload" not in ref["choices"][0]
     short = post(url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}).json()
-    assert "kvtier_offload" not in short  # fits the device: not offloaded
+    assert "kvtier_offload" not in short["choices"][0]  # fits the device: not offloaded
 
 
 def test_streaming_chat_long_request_matches(servers):
@@ -59,7 +59,7 @@ def test_per_request_kv_offload(servers):
     url, _ = servers
     sparse = post(url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                         "kv_offload": "sparse:2"}).json()
-    assert sparse["kvtier_offload"]["mode"] == "sparse:2"
+    assert sparse["choices"][0]["kvtier_offload"]["mode"] == "sparse:2"
     bad = post(url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "kv_offload": "sometimes"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "kv_offload"
     off = post(url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "kv_offload": "off"})

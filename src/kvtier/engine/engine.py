@@ -30,7 +30,7 @@ from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
 from kvtier.engine.offload import FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, block_summary, parse_offload
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
-from kvtier.engine.sequence import SamplingParams, Sequence
+from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.transfer import KVTransfer
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class RequestOutput:
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None   # finish_reason "error": why this request failed (the others went on)
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids (SamplingParams.logprobs set)
+    # of every prompt token (the first: None), in the output of its first token (prompt_logprobs set)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     offload: OffloadStats | None = None  # an offloaded request (longer than the device): what it cost
 
 
@@ -118,13 +121,15 @@ class LLMEngine:
             raise ValueError(f"kv_offload: the device window ({window} blocks: {config.offload_sink_blocks} sink + "
                              f"{config.offload_recent_blocks} recent) does not fit the {self.num_blocks} blocks the "
                              "budget holds beside the fetch area: raise the budget or lower block_tokens")
-        self.runner = ModelRunner(loaded.model, self.layout, self.arena,
+        eos_token_ids = _eos_token_ids(loaded.model)
+        self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids,
                                   OffloadAttention(self.fetch, self.layout.num_layers) if self.fetch is not None else None)
+        self.vocab_size = int(self.runner.lm_head.out_features)
         space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
         self.scheduler = Scheduler(
             self.block_manager, space,
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
-            max_model_tokens=self.max_model_tokens, eos_token_ids=_eos_token_ids(loaded.model),
+            max_model_tokens=self.max_model_tokens, eos_token_ids=eos_token_ids,
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
             offload_window=(config.offload_sink_blocks, config.offload_recent_blocks))
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
@@ -162,6 +167,9 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(len(prompt_token_ids), sampling.max_tokens)
+        outside = [t for t in [*prompt_token_ids, *sampling.token_ids_used()] if not 0 <= t < self.vocab_size]
+        if outside:
+            raise ValueError(f"token id {outside[0]} is outside the vocabulary ({self.vocab_size})")
         try:
             namespace.encode()  # block keys hash it as UTF-8
         except UnicodeEncodeError as exc:
@@ -270,7 +278,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._finish_loads()
         out = self.scheduler.schedule()
-        outputs = [self._output(seq) for seq in out.failed + self._execute(out)]
+        run = RunOutput()
+        outputs = [self._output(seq, run) for seq in out.failed + self._execute(out, run)]
         if not out.chunks and self.scheduler.loading:  # nothing computed: wait a little for a load to land
             self._finish_loads(timeout_s=0.05)
         newly_full = self.scheduler.take_newly_full()
@@ -286,9 +295,10 @@ class LLMEngine:
         self.arena.prune(lambda block_id: self.block_manager.ref_counts[block_id] > 0)
         return outputs
 
-    def _execute(self, out: SchedulerOutput) -> list[Sequence]:
-        """Move blocks, run the forward, advance the sequences; returns those with news (a token, or
-        finished with an error). A failure costs the sequences of this step, never the others."""
+    def _execute(self, out: SchedulerOutput, run: RunOutput) -> list[Sequence]:
+        """Move blocks, run the forward (its results land in `run`), advance the sequences; returns those
+        with news (a token, or finished with an error). A failure costs the sequences of this step, never
+        the others."""
         try:
             self._move_blocks(out)
         except Exception as exc:  # noqa: BLE001
@@ -296,12 +306,25 @@ class LLMEngine:
             # tier loads were handed to the transfer worker first and register only once written (_finish_loads)
             return self._fail(out, f"moving KV blocks failed: {exc}")
         try:
-            run = self.runner.run(out.chunks) if out.chunks else RunOutput()
+            if out.chunks:
+                result = self.runner.run(out.chunks)
+                run.token_ids, run.errors, run.logprobs = result.token_ids, result.errors, result.logprobs
+                self._add_prompt_logprobs(result.prompt_logprobs)
             self.num_tokens_computed += sum(chunk.num_tokens for chunk in out.chunks)
         except Exception as exc:  # noqa: BLE001 — the computed KV below the step's tokens is intact
             log.exception("the forward failed; failing the requests of this step")
             return self._fail(out, f"the forward failed: {exc}")
         return self.scheduler.postprocess(out, run.token_ids, run.errors)
+
+    def _add_prompt_logprobs(self, computed: dict[str, tuple[int, list[TokenLogprob]]]) -> None:
+        """Extend each sequence's prompt logprobs; positions it already has (computed again after a
+        preemption) are skipped."""
+        for request_id, (start, logprobs) in computed.items():
+            seq = self._seqs.get(request_id)
+            if seq is None or seq.prompt_logprobs is None:
+                continue
+            have = len(seq.prompt_logprobs) - (start + 1)  # entry i scores prompt token i
+            seq.prompt_logprobs.extend(logprobs[max(have, 0):])
 
     def _fail(self, out: SchedulerOutput, error: str) -> list[Sequence]:
         """Finish the step's sequences with an error."""
@@ -377,19 +400,28 @@ class LLMEngine:
         finally:
             self.step_tier_io_seconds += time.perf_counter() - start
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new_token_ids = [] if seq.finish_reason == "error" else [seq.token_ids[-1]]
-        offload = None
-        if seq.host is not None:
-            stats = seq.host.stats
-            stats.peak_device_kv_bytes = max(stats.peak_device_kv_bytes,
-                                             sum(1 for b in seq.block_ids if b >= 0) * self.arena.block_bytes)
-            if new_token_ids and seq.num_generated_tokens > 1:
-                stats.num_decode_tokens += 1
-            offload = OffloadStats(**{name: getattr(stats, name) for name in OffloadStats.__slots__})
+    def _output(self, seq: Sequence, run: RunOutput) -> RequestOutput:
+        failed = seq.finish_reason == "error"
+        new_token_ids = [] if failed else [seq.token_ids[-1]]
+        logprobs = prompt_logprobs = None
+        if seq.sampling.logprobs is not None and not failed:
+            logprobs = [run.logprobs[seq.request_id]]
+        if seq.prompt_logprobs is not None and seq.num_generated_tokens == 1 and not failed:
+            prompt_logprobs = list(seq.prompt_logprobs)
         return RequestOutput(seq.request_id, new_token_ids, seq.finish_reason is not None, seq.finish_reason,
                              seq.num_prompt_tokens, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier), seq.error,
-                             offload)
+                             logprobs, prompt_logprobs, self._offload_stats(seq, new_token_ids))
+
+    def _offload_stats(self, seq: Sequence, new_token_ids: list[int]) -> OffloadStats | None:
+        """A copy of an offloaded request's stats, its window's device bytes and decode tokens counted."""
+        if seq.host is None:
+            return None
+        stats = seq.host.stats
+        stats.peak_device_kv_bytes = max(stats.peak_device_kv_bytes,
+                                         sum(1 for b in seq.block_ids if b >= 0) * self.arena.block_bytes)
+        if new_token_ids and seq.num_generated_tokens > 1:
+            stats.num_decode_tokens += 1
+        return OffloadStats(**{name: getattr(stats, name) for name in OffloadStats.__slots__})
 
     def _forget(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)

@@ -250,6 +250,8 @@ class Scheduler:
         bm, block_tokens = self.block_manager, self.block_tokens
         keys = block_keys(self._space(seq.namespace), seq.token_ids)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
+        if seq.needs_prompt_logits:
+            usable = 0  # prompt logprobs need the logits of every prompt position: no cache hit
         device_ids = bm.match_prefix(keys[:usable]) if self.prefix_caching else []
         num_needed = -(-seq.num_tokens // block_tokens) - len(device_ids)
         num_revived = sum(1 for b in device_ids if bm.ref_counts[b] == 0)
@@ -365,7 +367,8 @@ class Scheduler:
                 self._newly_full.append((key, seq.block_ids[i]))
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids):
+        # EOS and stop_token_ids are masked for the first min_tokens tokens (ModelRunner._bias)
+        if seq.num_generated_tokens > seq.sampling.min_tokens and (token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids)):
             return "stop"
         if seq.num_generated_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_tokens:
             return "length"

@@ -5,11 +5,18 @@ Every bad request is answered with a 4xx and an OpenAI-style error body before i
 engine (any body the JSON parser rejects, too deep or with a huge integer included; a body cut
 short by the client is dropped quietly); a request that fails or whose client goes away — streaming
 or not — is aborted in the engine alone. `max_tokens` beyond what fits is rejected
-(`context_length_exceeded`), never clamped.
+(`context_length_exceeded`), never clamped. A `model` the server does not serve is a 404 that names
+the ones it does; a field kvtier does not implement is a 400 that names it (`protocol.REFUSED`).
+
+A request becomes one engine request per choice: `n` (or `best_of`, of which the n with the highest
+cumulative logprob are returned) per prompt, prompts being one or a batch (/v1/completions); engine
+request "<response id>-<prompt>-<choice>". Seeded choices get seed, seed + 1, ... (vLLM's). Streams of
+several choices are merged as they come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -28,7 +35,7 @@ from starlette.requests import ClientDisconnect
 from kvtier.engine import AsyncEngine, ContextLengthError, EngineDeadError, RequestFailedError, SamplingParams
 from kvtier.engine.engine import HostRoomError
 from kvtier.server import protocol
-from kvtier.server.generation import EngineAbortedError, Generation
+from kvtier.server.generation import Delta, EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -48,7 +55,7 @@ class ClientGone(Exception):
 class ServerState:
     engine: AsyncEngine
     tokenizer: object
-    model_name: str
+    model_names: list[str]              # the served names (aliases) a request's `model` may be
     metrics: ServerMetrics
     vocab_size: int
     created: int
@@ -61,9 +68,10 @@ def engine_view(async_engine: AsyncEngine) -> EngineView:
     return EngineView(**{f.name: getattr(stats, f.name) for f in fields(EngineView)})
 
 
-def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, manager=None,
+def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str], *, manager=None,
                on_shutdown=None, record_trace=None) -> FastAPI:
-    """`on_shutdown()` runs after the engine thread stopped (flush blocks, close the tiers).
+    """`model_name`: the name clients send, or several aliases. `on_shutdown()` runs after the engine
+    thread stopped (flush blocks, close the tiers).
     `record_trace`: a JSONL path; every finished request is appended in the Mooncake trace format
     (`kvtier simulate` replays it)."""
     @contextlib.asynccontextmanager
@@ -78,7 +86,10 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, manager
 
     app = FastAPI(title="kvtier", lifespan=lifespan)
     vocab_size = int(async_engine.engine.runner.lm_head.out_features)
-    state = ServerState(async_engine, tokenizer, model_name,
+    model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not model_names:
+        raise ValueError("at least one served model name")
+    state = ServerState(async_engine, tokenizer, model_names,
                         ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()),
                         started_perf=time.perf_counter())
     if record_trace is not None:
@@ -124,7 +135,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return protocol.model_list(state.model_name, state.created)
+        return protocol.model_list(state.model_names, state.created)
 
     @app.get("/metrics")
     async def metrics():
@@ -136,7 +147,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/dashboard/data")
     async def dashboard_data():
-        return {"model": state.model_name, **state.metrics.snapshot()}
+        return {"model": state.model_names[0], **state.metrics.snapshot()}
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -152,11 +163,23 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         param = _param(err["loc"])
         raise BadRequest(f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+    try:
+        protocol.check_fields(req)
+    except protocol.FieldError as exc:
+        raise BadRequest(str(exc), param=exc.param) from None
+    return req
+
+
+def _check_model(state: ServerState, req) -> None:
+    if req.model not in state.model_names:
+        raise BadRequest(f"the model {req.model!r} does not exist; this server serves "
+                         + ", ".join(repr(name) for name in state.model_names),
+                         param="model", code="model_not_found", status=404)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
@@ -170,9 +193,10 @@ def _param(loc: tuple) -> str | None:
 
 
 def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int | None, *,
-              default_max_tokens: int | None = None) -> SamplingParams:
+              default_max_tokens: int | None = None, **per_choice) -> SamplingParams:
     """`max_tokens` None: `default_max_tokens`, or as much as the context and the device budget allow
-    (only a default is fitted to the room left; an explicit max_tokens that does not fit is rejected)."""
+    (only a default is fitted to the room left; an explicit max_tokens that does not fit is rejected).
+    `per_choice`: seed, logprobs, prompt_logprobs."""
     engine = state.engine.engine
     prompt_param = "messages" if hasattr(req, "messages") else "prompt"
     if max_tokens is None:
@@ -180,8 +204,6 @@ def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int |
         max_tokens = min(default_max_tokens or room, room)
     try:
         engine.check_request(num_prompt_tokens, max_tokens, req.kv_offload)
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                              kv_offload=req.kv_offload)
     except HostRoomError as exc:  # an offloaded request's host blocks: never (400) or not now (429)
         raise BadRequest(str(exc), param=_max_tokens_param(req), code="host_memory_exhausted",
                          status=429 if exc.ever else 400) from None
@@ -190,10 +212,74 @@ def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int |
         raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
     except ValueError as exc:
         raise BadRequest(str(exc), param=prompt_param) from None
+    if req.min_tokens > max_tokens:
+        raise BadRequest(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
+    try:
+        return SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs(), **per_choice)
+    except ValueError as exc:  # the protocol's bounds are the engine's: a mismatch is still the client's
+        raise BadRequest(str(exc)) from None
 
 
 def _max_tokens_param(req) -> str:
     return "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+
+
+def _check_token_ids(state: ServerState, req) -> None:
+    """Token ids a request names must be in the vocabulary (400 naming the field)."""
+    named = {"stop_token_ids": req.stop_token_ids or [], "logit_bias": list(req.logit_bias_ids()),
+             "allowed_token_ids": req.allowed_token_ids or []}
+    for param, token_ids in named.items():
+        outside = [t for t in token_ids if not 0 <= t < state.vocab_size]
+        if outside:
+            raise BadRequest(f"{param}: token id {outside[0]} is outside the vocabulary ({state.vocab_size})",
+                             param=param)
+
+
+def _truncated(req, prompt_ids: list[int]) -> list[int]:
+    k = req.truncate_prompt_tokens
+    return prompt_ids[-k:] if k is not None and k < len(prompt_ids) else prompt_ids
+
+
+@dataclass(slots=True)
+class _Prompt:
+    token_ids: list[int]
+    text: str                     # what `echo` returns
+
+
+def _completion_prompts(state: ServerState, req: protocol.CompletionRequest) -> list[_Prompt]:
+    prompts = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            ids = _truncated(req, [int(t) for t in state.tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)])
+        else:
+            ids = _truncated(req, list(prompt))
+            if max(ids) >= state.vocab_size:
+                raise BadRequest(f"token id {max(ids)} is outside the vocabulary ({state.vocab_size})", param="prompt")
+        whole = isinstance(prompt, str) and req.truncate_prompt_tokens is None
+        prompts.append(_Prompt(ids, prompt if whole else state.tokenizer.decode(ids, skip_special_tokens=False)))
+    return prompts
+
+
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _chat_prompt(state: ServerState, req: protocol.ChatCompletionRequest) -> _Prompt:
+    kwargs = req.chat_template_kwargs or {}
+    clash = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if clash:
+        raise BadRequest(f"chat_template_kwargs: {clash[0]!r} is set by the server (or refused)",
+                         param="chat_template_kwargs")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = state.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, tokenize=False, **kwargs)
+        ids = [int(t) for t in state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
+    except Exception as exc:  # noqa: BLE001 — a template that rejects these messages
+        raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
+    return _Prompt(_truncated(req, ids), text)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -201,57 +287,139 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request):
         started_at = time.perf_counter()
         req = await _parse(request, protocol.CompletionRequest)
-        if isinstance(req.prompt, str):
-            prompt_ids = list(state.tokenizer.encode(req.prompt))
-        else:
-            prompt_ids = list(req.prompt)
-            if max(prompt_ids) >= state.vocab_size:
-                raise BadRequest(f"token id {max(prompt_ids)} is outside the vocabulary ({state.vocab_size})",
-                                 param="prompt")
-        sampling = _sampling(state, req, len(prompt_ids), req.max_tokens, default_max_tokens=_DEFAULT_COMPLETION_TOKENS)
-        gen = _generation(state, "cmpl", req, prompt_ids, sampling, started_at)
-        return await _respond(state, request, gen, req, _completion_events, protocol.completion)
+        _check_model(state, req)
+        _check_token_ids(state, req)
+        prompts = _completion_prompts(state, req)
+        request_id = _request_id("cmpl", req)
+        echo_logprobs = req.logprobs if req.echo else None
+        gens = []
+        for i, prompt in enumerate(prompts):
+            for j in range(req.num_choices()):
+                # the first choice of a prompt computes its prompt logprobs, the others take its cached prefix
+                # (streamed: each its own, each choice's first chunk carries them)
+                wanted = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
+                logprobs = req.logprobs if req.logprobs is not None else (0 if req.num_choices() > req.n else None)
+                sampling = _sampling(state, req, len(prompt.token_ids), req.max_tokens,
+                                     default_max_tokens=_DEFAULT_COMPLETION_TOKENS, seed=_seed(req, j),
+                                     logprobs=logprobs,
+                                     prompt_logprobs=max(wanted) if wanted and (j == 0 or req.stream) else None)
+                gens.append(_generation(state, f"{request_id}-{i}-{j}", req, prompt.token_ids, sampling, started_at))
+        if req.stream:
+            return _sse(_completion_events(state, request_id, gens, req, prompts))
+        failed = await _collect(state, request, gens)
+        if failed is not None:
+            return failed
+        choices = []
+        for i, prompt in enumerate(prompts):
+            group = gens[i * req.num_choices():(i + 1) * req.num_choices()]
+            for j, gen in enumerate(_best(group, req.n)):
+                choices.append(_with_offload(_completion_choice(state, req, i * req.n + j, gen, prompt,
+                                                                group[0].prompt_logprobs), gen))
+        return protocol.completion(request_id, req.model, choices, protocol.add_usage([g.usage() for g in gens]))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         started_at = time.perf_counter()
         req = await _parse(request, protocol.ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            prompt_ids = _as_ids(state.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-        except Exception as exc:  # noqa: BLE001 — a template that rejects these messages
-            raise BadRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
-        gen = _generation(state, "chatcmpl", req, prompt_ids,
-                          _sampling(state, req, len(prompt_ids), req.token_limit()), started_at)
-        return await _respond(state, request, gen, req, _chat_events, protocol.chat_completion)
+        _check_model(state, req)
+        _check_token_ids(state, req)
+        prompt = _chat_prompt(state, req)
+        request_id = _request_id("chatcmpl", req)
+        gens = [_generation(state, f"{request_id}-0-{j}", req, prompt.token_ids,
+                            _sampling(state, req, len(prompt.token_ids), req.token_limit(), seed=_seed(req, j),
+                                      logprobs=req.num_logprobs(),
+                                      prompt_logprobs=req.prompt_logprobs if j == 0 else None), started_at)
+                for j in range(req.n)]
+        if req.stream:
+            return _sse(_chat_events(state, request_id, gens, req))
+        failed = await _collect(state, request, gens)
+        if failed is not None:
+            return failed
+        choices = [_with_offload(protocol.chat_choice(j, gen.text.text, gen.finish_reason,
+                                                      protocol.chat_logprobs(gen.logprobs, _token_text(state, req))
+                                                      if req.logprobs else None, **_token_ids_extra(req, gen)), gen)
+                   for j, gen in enumerate(gens)]
+        extra = {}
+        if req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = protocol.vllm_prompt_logprobs(
+                _top(gens[0].prompt_logprobs, req.prompt_logprobs), _token_text(state, req))
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = prompt.token_ids
+        return protocol.chat_completion(request_id, req.model, choices,
+                                        protocol.add_usage([g.usage() for g in gens]), **extra)
 
 
-async def _respond(state: ServerState, request: Request, gen: Generation, req, events, body):
-    """SSE of `events(state, gen, req)` when streaming, else the whole text in `body(...)`."""
-    if req.stream:
-        return _sse(events(state, gen, req))
-    text = await _collect(state, request, gen)
-    if isinstance(text, Response):
-        return text
-    result = body(gen.request_id, state.model_name, text, gen.finish_reason, gen.usage())
-    if gen.offload is not None:  # longer than the device: what its context cost (kvtier's field)
-        result["kvtier_offload"] = gen.offload.to_dict()
-    return result
+def _with_offload(choice: dict, gen: Generation) -> dict:
+    """A choice longer than the device (kv_offload) says what its context cost: `kvtier_offload`."""
+    if gen.offload is not None:
+        choice["kvtier_offload"] = gen.offload.to_dict()
+    return choice
 
 
-def _as_ids(ids) -> list[int]:
-    if hasattr(ids, "keys") and "input_ids" in ids:
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+def _request_id(prefix: str, req) -> str:
+    return f"{prefix}-{req.request_id}" if req.request_id else f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _generation(state: ServerState, prefix: str, req, prompt_ids: list[int], sampling: SamplingParams,
+def _seed(req, choice: int) -> int | None:
+    """Choice j of a seeded request draws with seed + j (vLLM's parallel sampling), wrapped into range."""
+    if req.seed is None:
+        return None
+    from kvtier.engine.sequence import MAX_SEED, MIN_SEED
+
+    seed = req.seed + choice
+    return seed if seed <= MAX_SEED else MIN_SEED + (seed - MAX_SEED - 1)
+
+
+def _best(group: list[Generation], n: int) -> list[Generation]:
+    """best_of: the n choices with the highest cumulative logprob (in their original order)."""
+    if len(group) == n:
+        return group
+    keep = sorted(range(len(group)), key=lambda k: group[k].cumulative_logprob, reverse=True)[:n]
+    return [group[k] for k in sorted(keep)]
+
+
+def _token_text(state: ServerState, req):
+    if req.return_tokens_as_token_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: state.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(entries, k: int | None):
+    """The entries with at most `k` top tokens each (a request's prompt logprobs are computed once, at
+    the largest k it asked for)."""
+    from kvtier.engine.sequence import TokenLogprob
+
+    return [None if e is None else TokenLogprob(e.token_id, e.logprob, e.rank, e.top[:k]) for e in entries]
+
+
+def _token_ids_extra(req, gen: Generation) -> dict:
+    return {"token_ids": list(gen.token_ids)} if req.return_token_ids else {}
+
+
+def _completion_choice(state: ServerState, req, index: int, gen: Generation, prompt: _Prompt,
+                       prompt_logprobs) -> dict:
+    text = (prompt.text if req.echo else "") + gen.text.text
+    logprobs = None
+    if req.logprobs is not None:
+        entries = (_top(prompt_logprobs, req.logprobs) if req.echo else []) + gen.logprobs
+        token_ids = (prompt.token_ids if req.echo else []) + gen.token_ids
+        logprobs = protocol.completion_logprobs(token_ids, entries, _token_text(state, req))
+    extra = _token_ids_extra(req, gen)
+    if req.return_token_ids:
+        extra["prompt_token_ids"] = prompt.token_ids
+    if req.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = protocol.vllm_prompt_logprobs(_top(prompt_logprobs, req.prompt_logprobs),
+                                                                 _token_text(state, req))
+    return protocol.completion_choice(index, text, gen.finish_reason, logprobs, **extra)
+
+
+def _generation(state: ServerState, request_id: str, req, prompt_ids: list[int], sampling: SamplingParams,
                 started_at: float) -> Generation:
-    return Generation(state.engine, state.tokenizer, state.metrics, request_id=f"{prefix}-{uuid.uuid4().hex}",
+    return Generation(state.engine, state.tokenizer, state.metrics, request_id=request_id,
                       prompt_token_ids=prompt_ids, sampling=sampling, namespace=req.cache_salt or "",
                       stops=req.stop_strings(), started_at=started_at,
-                      on_finish=(lambda g: _record(state, g)) if state.trace is not None else None)
+                      on_finish=(lambda g: _record(state, g)) if state.trace is not None else None,
+                      include_stop=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens)
 
 
 def _record(state: ServerState, gen: Generation) -> None:
@@ -262,9 +430,12 @@ def _record(state: ServerState, gen: Generation) -> None:
                        trace_hash_ids(gen.prompt_token_ids, gen.namespace))
 
 
-async def _collect(state: ServerState, request: Request, gen: Generation) -> str | Response:
+async def _collect(state: ServerState, request: Request, gens: list[Generation]) -> Response | None:
+    """Run every choice to its end (their text and logprobs stay in each Generation); an error
+    response if one failed (the others are aborted)."""
     try:
-        return await _unless_disconnected(request, gen.collect())
+        await _unless_disconnected(request, _gather([gen.collect() for gen in gens]))
+        return None
     except RequestFailedError as exc:
         return _error(state, 500, str(exc))
     except (EngineAbortedError, EngineDeadError) as exc:
@@ -273,6 +444,24 @@ async def _collect(state: ServerState, request: Request, gen: Generation) -> str
         return _error(state, 429 if exc.ever else 400, str(exc))
     except ValueError as exc:  # refused by the engine after all
         return _error(state, 400, str(exc))
+
+
+async def _gather(coros: list) -> list:
+    """All results, or the first exception once the others are cancelled (and have cleaned up)."""
+    if len(coros) == 1:
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _unless_disconnected(request: Request, work):
@@ -309,33 +498,98 @@ def _event(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _stream(state: ServerState, gen: Generation, req, chunk, object_: str):
-    """SSE lines: `chunk(text, finish_reason)` per delta, the final chunk, usage if asked, [DONE]."""
+async def _merged(gens: list[Generation]):
+    """(choice index, Delta) as each choice's deltas come, then (index, None) when that choice ends.
+    An error in one raises here (the others are cancelled: their engine requests aborted)."""
+    if len(gens) == 1:
+        async for delta in gens[0].deltas():
+            yield 0, delta
+        yield 0, None
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for delta in gen.deltas():
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 — handed to the consumer
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, gen)) for i, gen in enumerate(gens)]
     try:
-        async for delta in gen.deltas():
-            yield _event(chunk(delta, None))
-        yield _event(chunk(None, gen.finish_reason))
+        for _ in range(len(gens)):
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield index, item
+                if item is None:
+                    break
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stream(state: ServerState, request_id: str, model: str, gens: list[Generation], req, chunk,
+                  object_: str):
+    """SSE lines: `chunk(index, delta, finish_reason)` per delta (None: skipped), a final chunk per
+    choice, usage if asked, [DONE]."""
+    try:
+        async for index, delta in _merged(gens):
+            event = chunk(index, delta, None if delta is not None else gens[index].finish_reason)
+            if event is not None:
+                yield _event(event)
         if req.include_usage():
-            yield _event(protocol.usage_chunk(gen.request_id, state.model_name, object_, gen.usage()))
+            yield _event(protocol.usage_chunk(request_id, model, object_,
+                                              protocol.add_usage([g.usage() for g in gens])))
     except (EngineAbortedError, EngineDeadError, RequestFailedError, ValueError) as exc:
         state.metrics.observe_error(500 if isinstance(exc, RequestFailedError) else 503)
         yield _event(protocol.error_body(str(exc), type="server_error"))
     yield "data: [DONE]\n\n"
 
 
-def _completion_events(state: ServerState, gen: Generation, req):
-    def chunk(text, finish_reason):
-        return protocol.completion_chunk(gen.request_id, state.model_name, text or "", finish_reason)
-    return _stream(state, gen, req, chunk, "text_completion")
+def _completion_events(state: ServerState, request_id: str, gens: list[Generation], req, prompts: list[_Prompt]):
+    token_text = _token_text(state, req)
+    offsets = [0] * len(gens)  # text_offset continues across a choice's chunks
+
+    def chunk(index: int, delta: Delta | None, finish_reason):
+        if delta is None:
+            return protocol.completion_chunk(request_id, req.model, protocol.completion_choice(index, "", finish_reason))
+        prompt = prompts[index // req.n]
+        echo = req.echo and delta.first
+        text = (prompt.text if echo else "") + delta.text
+        logprobs = None
+        if req.logprobs is not None:
+            entries = (_top(gens[index].prompt_logprobs, req.logprobs) if echo else []) + delta.logprobs
+            token_ids = (prompt.token_ids if echo else []) + delta.token_ids
+            logprobs = protocol.completion_logprobs(token_ids, entries, token_text, offsets[index])
+            offsets[index] += sum(len(token) for token in logprobs["tokens"])
+        if not text and not (logprobs and logprobs["tokens"]):
+            return None
+        extra = {"token_ids": delta.token_ids} if req.return_token_ids else {}
+        if req.return_token_ids and delta.first:
+            extra["prompt_token_ids"] = prompt.token_ids
+        return protocol.completion_chunk(request_id, req.model,
+                                         protocol.completion_choice(index, text, None, logprobs, **extra))
+    return _stream(state, request_id, req.model, gens, req, chunk, "text_completion")
 
 
-def _chat_events(state: ServerState, gen: Generation, req):
-    first = True
+def _chat_events(state: ServerState, request_id: str, gens: list[Generation], req):
+    token_text = _token_text(state, req)
+    started = [False] * len(gens)
 
-    def chunk(text, finish_reason):
-        nonlocal first
-        delta = {} if text is None else {"content": text}
-        if first:
-            delta, first = {"role": "assistant", **({"content": ""} if text is None else delta)}, False
-        return protocol.chat_chunk(gen.request_id, state.model_name, delta, finish_reason)
-    return _stream(state, gen, req, chunk, "chat.completion.chunk")
+    def chunk(index: int, delta: Delta | None, finish_reason):
+        text = delta.text if delta is not None else None
+        logprobs = protocol.chat_logprobs(delta.logprobs, token_text) if req.logprobs and delta is not None else None
+        if delta is not None and not text and not (logprobs and logprobs["content"]) and started[index]:
+            return None
+        body = {} if not text else {"content": text}
+        if not started[index]:
+            body, started[index] = {"role": "assistant", "content": text or ""}, True
+        if delta is not None and req.return_token_ids:
+            body["token_ids"] = delta.token_ids
+        return protocol.chat_chunk(request_id, req.model, index, body, finish_reason, logprobs)
+    return _stream(state, request_id, req.model, gens, req, chunk, "chat.completion.chunk")

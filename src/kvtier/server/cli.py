@@ -30,7 +30,7 @@ def build_app(config: ServeConfig):
             manager.close()
 
     tokenizer = loaded.tokenizer or ByteTokenizer()
-    return create_app(AsyncEngine(engine), tokenizer, config.served_model_name or loaded.name,
+    return create_app(AsyncEngine(engine), tokenizer, config.model_names(loaded.name),
                       manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace)
 
 

@@ -21,10 +21,21 @@ def default_tiers() -> list[TierSpec]:
     return parse_specs(["dram:1GiB", f"ssd:{cache_dir() / 'serve-ssd'}:4GiB"])
 
 
+def _names(value: str | list[str] | None) -> list[str] | None:
+    """One served model name or several aliases (a file may give either), empty names dropped."""
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"served_model_name must be a name or a list of names, got {value!r}")
+    return [name for name in names if name]
+
+
 @dataclass(slots=True)
 class ServeConfig:
     model: str = setting("smollm2", help="smollm2 (default, embedded), tiny, or a local HF model directory")
-    served_model_name: str | None = setting(None, help="the model id clients send and /v1/models lists")
+    served_model_name: list[str] | None = setting(None, parse=_names, help="the model id clients send and "
+                                                  "/v1/models lists; repeat for aliases", shown="the model's name")
     host: str = setting("127.0.0.1", help="bind address")
     port: int = setting(8000, help="port")
     # top first; [] = the device prefix cache only
@@ -40,6 +51,13 @@ class ServeConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1-65535, got {self.port}")
         self.tiers = parse_specs(self.tiers)
+        self.served_model_name = _names(self.served_model_name)
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ConfigError("served_model_name must name at least one model")
+
+    def model_names(self, default: str) -> list[str]:
+        """The names a request's `model` may be (the first is the one reports use)."""
+        return list(self.served_model_name) if self.served_model_name else [default]
 
     @classmethod
     def settings(cls) -> list[Setting]:

@@ -1,4 +1,5 @@
-"""One request in the engine, as the HTTP layer sees it: engine outputs in, text deltas out.
+"""One request in the engine, as the HTTP layer sees it: engine outputs in, `Delta`s (text, token ids,
+their logprobs) out.
 
 `Generation.deltas()` drives `AsyncEngine.generate`, turns token ids into text (with stop
 strings), observes TTFT and inter-token latency, and aborts the engine request whenever it ends
@@ -12,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import anyio
 
 from kvtier.engine import RequestFailedError
+from kvtier.engine.sequence import TokenLogprob
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import usage
 from kvtier.server.text import TextStream
@@ -25,10 +28,19 @@ class EngineAbortedError(RuntimeError):
     """The engine ended the request on its own (shutdown, or it could never fit)."""
 
 
+@dataclass(slots=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of token_ids, when asked for
+    first: bool = False  # the first delta: the prompt's logprobs are in `Generation.prompt_logprobs` by now
+
+
 class Generation:
     def __init__(self, async_engine, tokenizer, metrics: ServerMetrics, *, request_id: str,
                  prompt_token_ids: list[int], sampling, namespace: str, stops: list[str],
-                 started_at: float, on_finish=None) -> None:
+                 started_at: float, on_finish=None, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.async_engine = async_engine
         self.metrics = metrics
         self.request_id = request_id
@@ -36,7 +48,11 @@ class Generation:
         self.sampling = sampling
         self.namespace = namespace
         self.started_at = started_at
-        self.text = TextStream(tokenizer, stops)
+        self.text = TextStream(tokenizer, stops, include_stop=include_stop, skip_special_tokens=skip_special_tokens,
+                               min_tokens=sampling.min_tokens)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None
         self.failed = False  # the engine finished it with an error
         self.num_cached_tokens = 0
@@ -47,8 +63,13 @@ class Generation:
     def usage(self) -> dict:
         return usage(len(self.prompt_token_ids), self.num_generated_tokens, self.num_cached_tokens)
 
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text deltas until the request finishes; `finish_reason` is set when this ends normally."""
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Deltas until the request finishes (one per engine output with text, or with logprobs when
+        they were asked for); `finish_reason` is set when this ends normally."""
         outputs = self.async_engine.generate(self.request_id, self.prompt_token_ids, self.sampling,
                                              namespace=self.namespace)
         engine_done = False
@@ -61,6 +82,11 @@ class Generation:
                 self.num_cached_tokens = out.num_cached_tokens
                 self.offload = out.offload
                 self.num_generated_tokens += len(out.new_token_ids)
+                self.token_ids += out.new_token_ids
+                self.logprobs += out.logprobs or []
+                first = out.prompt_logprobs is not None or self.num_generated_tokens == len(out.new_token_ids)
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs = out.prompt_logprobs
                 delta = self.text.add(out.new_token_ids)
                 engine_done = out.finished
                 if self.text.stopped:
@@ -70,8 +96,8 @@ class Generation:
                         raise EngineAbortedError(f"request {self.request_id} was aborted by the engine")
                     self.finish_reason = out.finish_reason
                     delta += self.text.finish()
-                if delta:
-                    yield delta
+                if delta or (out.logprobs and self.sampling.logprobs is not None) or first:
+                    yield Delta(delta, list(out.new_token_ids), list(out.logprobs or []), first)
                 if self.finish_reason is not None:
                     break
         except RequestFailedError:
@@ -95,4 +121,4 @@ class Generation:
                                       self.num_cached_tokens, self.num_generated_tokens)
 
     async def collect(self) -> str:
-        return "".join([delta async for delta in self.deltas()])
+        return "".join([delta.text async for delta in self.deltas()])

@@ -1,4 +1,5 @@
-"""Token ids in, text deltas out, with OpenAI's `stop` strings.
+"""Token ids in, text deltas out, with OpenAI's `stop` strings (vLLM's `include_stop_str_in_output`,
+`skip_special_tokens`, and `min_tokens`: no stop string ends a completion shorter than that).
 
 The whole completion is decoded on every step (completions are short next to the prompt), so a
 multi-byte character split over two tokens comes out whole. A delta never ends in a half
@@ -12,9 +13,13 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str]) -> None:
+    def __init__(self, tokenizer, stops: list[str], *, include_stop: bool = False, skip_special_tokens: bool = True,
+                 min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self.stopped = False  # a stop string was found; `text` ends before it
@@ -24,8 +29,8 @@ class TextStream:
         """Append tokens; return the text that is now final."""
         assert not self.stopped, "tokens after a stop string"
         self.token_ids.extend(new_token_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = self._first_stop(text)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        cut = self._first_stop(text) if len(self.token_ids) >= self.min_tokens else None
         if cut is not None:
             self.text, self.stopped = text[:cut], True
             return self._emit(len(self.text))
@@ -44,8 +49,11 @@ class TextStream:
     def _first_stop(self, text: str) -> int | None:
         # Only the unemitted part (plus a stop's length of context) can hold a new match.
         start = max(0, self._num_emitted_chars - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, i + len(s)) for i, s in ((text.find(s, start), s) for s in self.stops) if i >= 0]
+        if not hits:
+            return None
+        first = min(hits)
+        return first[1] if self.include_stop else first[0]
 
     def _held_chars(self, text: str) -> int:
         held = len(text) - len(text.rstrip(_REPLACEMENT))
