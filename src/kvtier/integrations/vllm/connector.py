@@ -24,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
+from kvtier.integrations.vllm.layouts import page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -127,7 +128,14 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._worker.register(kv_caches, extract_layer_index)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        backends = {layers[name].attn_backend.get_name() for name in kv_caches}
+        if len(backends) != 1:
+            raise ValueError(f"KvtierConnector needs one attention backend for every layer, got {sorted(backends)}")
+        page = page_format(backends.pop(), latent=self._space.layout.latent)
+        self._worker.register(kv_caches, extract_layer_index, page)
+        log.info("kvtier worker: %d layers of %s pages, %s", len(kv_caches), page,
+                 [tuple(t.shape) for t in list(kv_caches.values())[:1]])
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

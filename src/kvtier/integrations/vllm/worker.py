@@ -29,23 +29,11 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError, Header
+from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
-
-
-def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """A view [num_blocks, 2, H, T, D] of one layer of vLLM's CPU cache.
-
-    The CPU attention backend holds a layer as [num_blocks, H, T, 2 * D] and reads it as
-    [num_blocks, H, 2 * T, D]: per block and head, T key rows then T value rows."""
-    num_blocks, num_heads, block_tokens, width = kv_cache.shape
-    if (num_heads, block_tokens, width) != (layout.num_kv_heads, layout.block_tokens, 2 * layout.head_dim):
-        raise ValueError(f"KV cache layer shape {tuple(kv_cache.shape)} is not the CPU backend's "
-                         f"[blocks, {layout.num_kv_heads}, {layout.block_tokens}, {2 * layout.head_dim}]")
-    view = kv_cache.view(num_blocks, num_heads, 2, block_tokens, layout.head_dim)
-    return view.transpose(1, 2)
 
 
 @dataclass(slots=True)
@@ -54,7 +42,7 @@ class _StepSave:
 
     specs: list[SaveSpec]
     index: torch.Tensor        # their device block ids, the specs' in order
-    kv: torch.Tensor           # [L, n, 2, H, T, D]: one contiguous slab per layer (one copy on the step)
+    kv: torch.Tensor           # [L, n, 2, H, T, D] (MLA: [L, n, 1, 1, T, D]): one contiguous slab per layer
     layers_done: list[bool]
 
 
@@ -71,7 +59,7 @@ class WorkerSide:
         self.layout = layout
         self.codec = codec
         self.manager = manager
-        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
+        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D] (layouts.block_view)
         self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
@@ -86,12 +74,12 @@ class WorkerSide:
         self._saver = threading.Thread(target=self._drain_saves, name="kvtier-save", daemon=True)
         self._saver.start()
 
-    def register(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
-        """`layer_index(name) -> int` orders vLLM's layer names."""
+    def register(self, kv_caches: dict[str, torch.Tensor], layer_index, page: str = "planes") -> None:
+        """`layer_index(name) -> int` orders vLLM's layer names; `page` is their format (`layouts`)."""
         names = sorted(kv_caches, key=layer_index)
         if len(names) != self.layout.num_layers:
             raise ValueError(f"{len(names)} KV cache layers registered, the model has {self.layout.num_layers}")
-        self._views = [block_view(kv_caches[name], self.layout) for name in names]
+        self._views = [block_view(kv_caches[name], page, self.layout) for name in names]
         self._layer_of = {name: i for i, name in enumerate(names)}
         dtype = str(self._views[0].dtype).removeprefix("torch.")
         if dtype != self.layout.dtype:
