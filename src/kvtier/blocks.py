@@ -27,7 +27,9 @@ _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The shape of one block's KV, and the model it came from. `latent`: MLA's one latent vector per token
-    (no separate V; `num_kv_heads` 1, `head_dim` the latent width), a block [L, 1, 1, T, D]."""
+    (no separate V; `num_kv_heads` 1, `head_dim` the latent width), a block [L, 1, 1, T, D]. `page`: names a
+    byte order inside the K and V halves other than [H, T, D] each (an engine kernel's packing, e.g. vLLM's
+    CPU attention, "cpu_attn:vec"); "" is kvtier's own."""
 
     num_layers: int
     num_kv_heads: int
@@ -35,6 +37,7 @@ class KVLayout:
     dtype: str = "float32"  # the model's KV dtype, torch name without "torch."
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     latent: bool = False
+    page: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -64,8 +67,9 @@ class KVLayout:
         return self.bytes_per_token * self.block_tokens
 
     def encode(self) -> bytes:
-        base = f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_tokens}"
-        return (base + "/latent" if self.latent else base).encode()
+        parts = [f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_tokens}"]
+        parts += ["latent"] * self.latent + [f"page={self.page}"] * bool(self.page)
+        return "/".join(parts).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn":
 def layout_of(page: str, dtype: str = "float32") -> KVLayout:
     latent = page == "latent"
     return KVLayout(num_layers=L, num_kv_heads=1 if latent else H, head_dim=D, dtype=dtype, block_tokens=T,
-                    latent=latent)
+                    latent=latent, page="cpu_attn:vec" if page == "planes" else "")
 
 
 def vllm_caches(page: str, order: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
@@ -106,21 +107,29 @@ def test_a_cache_that_is_not_the_named_page_is_refused():
         block_view(cells, "cells", KVLayout(L, H, D, block_tokens=8))  # kernel blocks of 4 tokens, --block-size 8
     with pytest.raises(ValueError, match="does not hold bfloat16"):
         block_view(cells, "cells", layout_of("cells", "bfloat16"))
+    kv, cpu, latent = layout_of("cells"), layout_of("planes"), layout_of("latent")
     with pytest.raises(ValueError, match="does not know where attention backend FLEX_ATTENTION keeps K and V"):
-        page_format("FLEX_ATTENTION", latent=False)
-    assert page_format("FLEX_ATTENTION", latent=True) == "latent"
-    assert [page_format(b, latent=False) for b in ("CPU_ATTN", "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")] == \
-        ["planes", "cells", "cells", "cells"]
+        page_format("FLEX_ATTENTION", kv)
+    assert [page_format(b, kv) for b in ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN")] == ["cells"] * 3
+    assert page_format("CPU_ATTN", cpu) == "planes"
+    assert page_format("TRITON_MLA", latent) == page_format("CPU_MLA", replace(latent, page="cpu_mla")) == "latent"
+    # the scheduler named the CPU kernel's bytes in the keys, the worker got a GPU backend (or the reverse)
+    with pytest.raises(ValueError, match="FLASH_ATTN holds cells pages, but the keys name page 'cpu_attn:vec'"):
+        page_format("FLASH_ATTN", cpu)
+    with pytest.raises(ValueError, match="CPU_ATTN holds planes pages, but the keys name page ''"):
+        page_format("CPU_ATTN", kv)
+    with pytest.raises(ValueError, match="CPU_MLA holds latent pages, but the keys name page ''"):
+        page_format("CPU_MLA", latent)
 
 
 def test_the_key_names_the_layout_and_only_same_bytes_share_it():
     roots = {name: KeySpace("fp", layout).root_key() for name, layout in {
         "fp32": layout_of("cells"), "bf16": layout_of("cells", "bfloat16"),
         "e4m3": layout_of("cells", "float8_e4m3fn"), "e5m2": layout_of("cells", "float8_e5m2"),
-        "latent": layout_of("latent"), "one head": KVLayout(L, 1, D, block_tokens=T)}.items()}
+        "latent": layout_of("latent"), "one head": KVLayout(L, 1, D, block_tokens=T),
+        # vLLM's CPU kernels pack K per ISA (K transposed for "vec"): not the GPU backends' bytes
+        "cpu vec": layout_of("planes"), "cpu amx": replace(layout_of("planes"), page="cpu_attn:amx")}.items()}
     assert len(set(roots.values())) == len(roots)
-    # CPU planes and GPU cells store the same bytes (K rows, then V rows, per head): one key
-    assert KeySpace("fp", layout_of("planes")).root_key() == roots["fp32"]
     assert (kv_dtype("auto", "bfloat16"), kv_dtype("fp8", "bfloat16"), kv_dtype("fp8_e5m2", "float32")) == \
         ("bfloat16", "float8_e4m3fn", "float8_e5m2")
     with pytest.raises(ValueError, match="supports --kv-cache-dtype auto, fp8, fp8_e4m3, fp8_e5m2; got int8_per_token_head"):
@@ -193,23 +202,4 @@ def test_every_layout_round_trips_through_every_tier_bit_exactly(page, order, dt
     for got, want in zip(_blocks(page, target_caches, [1, 3, 4]), untouched):
         assert torch.equal(got, want)  # no other block written
     source.shutdown()
-    manager.close()
-
-
-def test_a_block_the_cpu_backend_saved_loads_into_a_flash_attention_cache(tmp_path):
-    """Same bytes, same key: KV written by one backend is the KV another reads (K and V where each expects them)."""
-    manager = build_manager([f"shm:{tmp_path}:4MiB"], slot_bytes=1 << 14, async_writes=False)
-    layout = layout_of("planes")
-    cpu_caches, gpu_caches = vllm_caches("planes", "LBHNC"), vllm_caches("cells", "LBNHC")
-    cpu, gpu = _worker(layout, manager, cpu_caches, "planes"), _worker(layout, manager, gpu_caches, "cells")
-    keys = block_keys(KeySpace("fp", layout), list(range(2 * T)))
-    cpu.begin_step([SaveSpec("r0", keys, [5, 2])])
-    cpu.finish_save()  # the step end copies every layer
-    cpu.wait_saves()
-    gpu.start_loads([LoadSpec("r1", keys, [1, 4])])
-    gpu.shutdown()
-    assert gpu.take_invalid_block_ids() == set()
-    for got, want in zip(_blocks("cells", gpu_caches, [1, 4]), _blocks("planes", cpu_caches, [5, 2])):
-        assert torch.equal(got, want)
-    cpu.shutdown()
     manager.close()

@@ -75,14 +75,14 @@ def check_supported(vllm_config) -> None:
                          "a block that turns out corrupt or missing is then recomputed instead of failing the request")
 
 
-def layout_for(vllm_config) -> KVLayout:
+def layout_for(vllm_config, page: str = "") -> KVLayout:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     dtype = kv_dtype(vllm_config.cache_config.cache_dtype, str(model.dtype).removeprefix("torch."))
     latent = bool(model.use_mla)  # MLA: one latent of `get_head_size()` (kv_lora_rank + rope dim) per token
     return KVLayout(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
                     head_dim=model.get_head_size(), dtype=dtype, block_tokens=vllm_config.cache_config.block_size,
-                    latent=latent)
+                    latent=latent, page=page)
 
 
 def fingerprint_for(vllm_config) -> str:
@@ -96,8 +96,9 @@ def model_fingerprint(model: str, revision: str | None = None, quantization: str
     return hashlib.sha256(f"{base}/{quantization or 'none'}".encode()).hexdigest()[:16]
 
 
-def key_space(vllm_config, config: ConnectorConfig) -> KeySpace:
-    layout = layout_for(vllm_config)
+def key_space(vllm_config, config: ConnectorConfig, page: str = "") -> KeySpace:
+    """`page`: `layouts.engine_page(vllm_config)` (imports vLLM)."""
+    layout = layout_for(vllm_config, page)
     if (layout.latent or layout.dtype.startswith("float8")) and config.codec.removesuffix("+zstd") != "raw":
         raise ValueError(f'KvtierConnector stores {"an MLA latent" if layout.latent else "fp8 KV"} as vLLM\'s bytes: '
                          f'"codec" must be "raw" or "raw+zstd", got {config.codec!r}')

@@ -24,7 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
-from kvtier.integrations.vllm.layouts import page_format
+from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
@@ -67,7 +67,7 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_supported(vllm_config)
         config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._space = key_space(vllm_config, config)
+        self._space = key_space(vllm_config, config, engine_page(vllm_config))
         codec = get_codec(config.codec)
         slot_bytes = codec.max_encoded_bytes(self._space.layout) + 4096
         self._layerwise = config.load == "layerwise"
@@ -132,7 +132,7 @@ class KvtierConnector(KVConnectorBase_V1):
         backends = {layers[name].attn_backend.get_name() for name in kv_caches}
         if len(backends) != 1:
             raise ValueError(f"KvtierConnector needs one attention backend for every layer, got {sorted(backends)}")
-        page = page_format(backends.pop(), latent=self._space.layout.latent)
+        page = page_format(backends.pop(), self._space.layout)
         self._worker.register(kv_caches, extract_layer_index, page)
         log.info("kvtier worker: %d layers of %s pages, %s", len(kv_caches), page,
                  [tuple(t.shape) for t in list(kv_caches.values())[:1]])

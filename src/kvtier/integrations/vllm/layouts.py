@@ -15,10 +15,12 @@ and V are: each backend reads the content its own way, so the page format comes 
 - `latent` (MLA backends): `[B, 1, N, C]`, one latent row per token.
 
 `block_view` turns any of them into one strided view `[B, 2, H, T, D]` (MLA: `[B, 1, 1, T, D]`) of the
-same memory, no copy: a block's bytes in a tier are then the same whichever backend wrote them (K rows,
-then V rows, per head), so the key's layout part (`KVLayout.encode`: layers, heads, head dim, dtype, block
-size, `latent`) names them, and the codecs see real K and V. fp8 caches (vLLM stores them as uint8) are
-viewed as their fp8 format. Anything else is refused at start (fail closed), never guessed.
+same memory, no copy, in the layout's dtype (fp8 caches, uint8 in vLLM, are viewed as their fp8 format).
+Inside the K and V halves the bytes are the backend's: the GPU backends' cells give K and V as [H, T, D]
+each (kvtier's own order, `KVLayout.page` ""), but vLLM's CPU kernels pack K per ISA (K transposed,
+[H, D, T], for "vec"), so on the CPU platform `engine_page` names the kernel and its ISA in the key
+("cpu_attn:vec"): two engines share a block only when their bytes mean the same KV. Anything else is
+refused at start (fail closed), never guessed.
 """
 
 from __future__ import annotations
@@ -33,14 +35,37 @@ PAGE_FORMATS = ("planes", "cells", "halves", "latent")
 FP8_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
-def page_format(backend_name: str, *, latent: bool) -> str:
-    """The page format of a layer served by the attention backend `backend_name`."""
-    if latent:
-        return "latent"  # every MLA backend with one state per token stores one latent row per token
-    if backend_name not in BACKEND_FORMATS:
+def engine_page(vllm_config) -> str:
+    """The `KVLayout.page` of this engine's blocks, known in every process (the scheduler's too) before any
+    cache exists: vLLM's CPU kernels' own bytes on its CPU platform, kvtier's [H, T, D] halves elsewhere."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return ""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model.use_mla:
+        return "cpu_mla"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return "cpu_attn:" + _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+
+
+def page_format(backend_name: str, layout: KVLayout) -> str:
+    """The page format of the layers the attention backend `backend_name` serves; raises ValueError for a
+    backend whose bytes are not the ones `layout.page` names in the keys."""
+    if layout.latent:
+        # every MLA backend with one state per token stores one latent row per token
+        fmt, ok = "latent", layout.page == ("cpu_mla" if backend_name == "CPU_MLA" else "")
+    elif backend_name not in BACKEND_FORMATS:
         raise ValueError(f"KvtierConnector does not know where attention backend {backend_name} keeps K and V "
                          f"(it knows {sorted(BACKEND_FORMATS)}); choose one with --attention-backend")
-    return BACKEND_FORMATS[backend_name]
+    else:
+        fmt = BACKEND_FORMATS[backend_name]
+        ok = layout.page.startswith("cpu_attn:") if fmt == "planes" else layout.page == ""
+    if not ok:
+        raise ValueError(f"attention backend {backend_name} holds {fmt} pages, but the keys name page "
+                         f"{layout.page!r}: the scheduler expected another backend")
+    return fmt
 
 
 def kv_dtype(cache_dtype: str, model_dtype: str) -> str:
