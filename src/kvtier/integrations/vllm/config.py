@@ -67,8 +67,13 @@ class ConnectorConfig:
 def check_supported(vllm_config) -> None:
     """What this connector does not (yet) handle, refused at start rather than served wrong."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-        raise ValueError("KvtierConnector supports one worker (tensor/pipeline parallel size 1)")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KvtierConnector supports tensor parallelism, not pipeline parallelism "
+                         "(--pipeline-parallel-size 1)")
+    context = (getattr(parallel, "decode_context_parallel_size", 1), getattr(parallel, "prefill_context_parallel_size", 1))
+    if context != (1, 1):
+        raise ValueError("KvtierConnector keeps every token of a block on each rank: decode/prefill context "
+                         f"parallel sizes must be 1, got {context}")
     kv_dtype(vllm_config.cache_config.cache_dtype, "auto")  # raises for a KV format it does not know
     if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
         raise ValueError('KvtierConnector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '

@@ -26,7 +26,7 @@ from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
 from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
-from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec, for_rank
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers.manager import build_manager
@@ -71,19 +71,22 @@ class KvtierConnector(KVConnectorBase_V1):
         codec = get_codec(config.codec)
         slot_bytes = codec.max_encoded_bytes(self._space.layout) + 4096
         self._layerwise = config.load == "layerwise"
+        # tensor parallel: each rank keeps its shard (its KV heads) under keys naming rank and world size
+        self._world_size = vllm_config.parallel_config.tensor_parallel_size
+        self._rank = vllm_config.parallel_config.rank
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             # Lookups only (no writes): the worker's DRAM is in another process; what it holds is
             # written through to the shared tiers, which the scheduler asks.
             self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
-            self._scheduler = SchedulerSide(self._space, self._manager)
+            self._scheduler = SchedulerSide(self._space, self._manager, self._world_size)
         else:
             self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
             self._worker = WorkerSide(self._space.layout, codec, self._manager,
                                       max_pending_saves=config.max_pending_saves)
-        log.info("kvtier connector (%s): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
-                 [tier.name for tier in self._manager.tiers], codec.name, config.load,
+        log.info("kvtier connector (%s, rank %d of %d): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
+                 self._rank, self._world_size, [tier.name for tier in self._manager.tiers], codec.name, config.load,
                  self._space.layout.encode().decode())
 
     @property
@@ -138,10 +141,13 @@ class KvtierConnector(KVConnectorBase_V1):
                  [tuple(t.shape) for t in list(kv_caches.values())[:1]])
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, KvtierMetadata)
+            # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker)
+            connector_metadata = KvtierMetadata(for_rank(connector_metadata.loads, self._rank, self._world_size),
+                                                for_rank(connector_metadata.saves, self._rank, self._world_size))
             self._worker.begin_step(connector_metadata.saves)
+        super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Async: after the forward (vLLM starts async loads then), the requests wait for them.
