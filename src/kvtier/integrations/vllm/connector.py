@@ -74,6 +74,10 @@ class KvtierConnector(KVConnectorBase_V1):
         # tensor parallel: each rank keeps its shard (its KV heads) under keys naming rank and world size
         self._world_size = vllm_config.parallel_config.tensor_parallel_size
         self._rank = vllm_config.parallel_config.rank
+        # disaggregation: a producer (prefill) writes its blocks down before its reply leaves; a consumer
+        # (decode) loads and writes nothing
+        self._producer = self._kv_transfer_config.kv_role == "kv_producer"
+        self._consumer = self._kv_transfer_config.kv_role == "kv_consumer"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -113,7 +117,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
         records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
                                                 lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
-        return KvtierMetadata(records.loads, records.saves)
+        return KvtierMetadata(records.loads, [] if self._consumer else records.saves)
 
     def update_connector_output(self, connector_output) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
@@ -168,6 +172,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.finish_layerwise()
         self._worker.finish_save()
+        if self._producer:
+            self._worker.wait_saves()  # in the tiers before the reply: the consumer looks them up next
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.take_finished_loads() or None
