@@ -29,6 +29,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError, Header
+from kvtier.integrations.vllm.cuda_mover import BlockMover
 from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.plan import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
@@ -80,6 +81,7 @@ class WorkerSide:
         if len(names) != self.layout.num_layers:
             raise ValueError(f"{len(names)} KV cache layers registered, the model has {self.layout.num_layers}")
         self._views = [block_view(kv_caches[name], page, self.layout) for name in names]
+        self._mover = BlockMover(self._views[0].device, len(names))  # CUDA: side stream, pinned buffers
         self._layer_of = {name: i for i, name in enumerate(names)}
         dtype = str(self._views[0].dtype).removeprefix("torch.")
         if dtype != self.layout.dtype:
@@ -156,7 +158,7 @@ class WorkerSide:
 
     def _write_layer(self, blocks: list[torch.Tensor], index: torch.Tensor, layer: int) -> None:
         # blocks: n x [L, 2, H, T, D], every one already verified; one layer gathered, then one index_put
-        self._views[layer][index] = torch.stack([block[layer] for block in blocks])
+        self._mover.copy_in(self._views[layer], index, [block[layer] for block in blocks], layer)
 
     def start_layerwise(self, loads: list[LoadSpec]) -> None:
         """Layerwise mode: this step's loads start now; `wait_layer` holds each layer's attention until
@@ -198,6 +200,7 @@ class WorkerSide:
         state, layer = self._layerwise, self._layer_of.get(layer_name)
         if state is not None and layer is not None:
             state.ready[layer].wait()
+            self._mover.wait_layer(layer)
 
     def finish_layerwise(self) -> None:
         """Step end: the step's layerwise loads are over (the forward may have skipped some layers)."""
@@ -236,7 +239,7 @@ class WorkerSide:
         if not block_ids or not self._views:
             return
         view = self._views[0]
-        kv = torch.empty((len(self._views), len(block_ids), *view.shape[1:]), dtype=view.dtype)
+        kv = self._mover.host_slab((len(self._views), len(block_ids), *view.shape[1:]), view.dtype)
         self._step_save = _StepSave(saves, torch.tensor(block_ids, dtype=torch.long), kv,
                                     [False] * len(self._views))
 
@@ -248,7 +251,7 @@ class WorkerSide:
 
     def _copy_out(self, step: _StepSave, layer: int) -> None:
         start = time.perf_counter()
-        torch.index_select(self._views[layer], 0, step.index, out=step.kv[layer])
+        self._mover.copy_out(self._views[layer], step.index, step.kv[layer], layer)
         step.layers_done[layer] = True
         with self._lock:
             self._stats["save_copy_seconds"] += time.perf_counter() - start
@@ -264,6 +267,7 @@ class WorkerSide:
         for layer, done in enumerate(step.layers_done):
             if not done:
                 self._copy_out(step, layer)
+        self._mover.finish_saves()
         keys, positions, offset = [], [], 0
         for spec in step.specs:
             if spec.req_id not in failed_req_ids:
