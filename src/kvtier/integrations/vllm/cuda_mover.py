@@ -5,7 +5,7 @@ stream waits for it, gathers the step's blocks of that layer on the device (`ind
 device buffer), and copies them into the step's pinned host slab (`non_blocking`); `finish_saves` waits for
 the last layer's copy event only, before the slab goes to the writer thread.
 Loads (host -> device): verified blocks are packed into a reused pinned buffer (a CPU memcpy on the loader
-thread), copied up on the side stream (`non_blocking`) and scattered into the cache (`index_copy_`) there; an
+thread), copied up on the side stream (`non_blocking`) and scattered into the cache (`index_put_`) there; an
 event per layer is recorded, and the compute stream waits for layer l's event just before its attention
 (`wait_layer`: a stream wait, the host does not block). Nothing here calls `.numpy()` or `.item()` on a
 device tensor. On a CPU cache the same calls run synchronously (used by the tests here).
@@ -27,7 +27,8 @@ class BlockMover:
         self._pinned_buf = torch.empty(0, dtype=torch.uint8, pin_memory=self.cuda)  # loads, reused
 
     def host_slab(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor the device copies into (pinned on CUDA, so the copies are asynchronous)."""
+        """A host tensor the device copies into (pinned on CUDA, so the copies are asynchronous; torch's
+        caching host allocator hands the same pinned blocks out again once a step's slab is freed)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     # -- saves ----------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ class BlockMover:
             staged = self._pinned_buf[:num_bytes].view(dtype).view(shape)
             torch.stack(blocks, out=staged)
             device_blocks = staged.to(self.device, non_blocking=True)
-            view.index_copy_(0, index.to(self.device, non_blocking=True), device_blocks)
+            view[index.to(self.device, non_blocking=True)] = device_blocks  # index_put_: a strided view too
             done = torch.cuda.Event()
             done.record(self.stream)
             done.synchronize()  # the loader thread (not the forward) waits: the next layer reuses the buffer
