@@ -187,6 +187,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
         stats = self._worker.take_stats() if self._worker else {}
+        if self._rank != 0:  # vLLM sums the ranks' stats: a prompt's tokens are counted once, by rank 0
+            stats = {k: v for k, v in stats.items() if not k.startswith("hit_tokens_")}
         return KvtierConnectorStats(data=stats) if stats else None
 
     @classmethod
