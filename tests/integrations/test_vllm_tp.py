@@ -77,3 +77,43 @@ def test_each_rank_saves_and_loads_its_own_shard_verified_against_its_key(manage
         for name in NAMES:
             assert torch.equal(target_caches[name][[0, 4, 5][:num_loaded]], source_caches[name][[1, 2, 3][:num_loaded]])
         source.shutdown()
+
+
+# -- under real vLLM (CPU build): two engine starts of three workers each --------------------------
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1800)
+def test_vllm_tp3_second_process_loads_every_ranks_shard(shakespeare_text, tmp_path_factory, monkeypatch):
+    """SmolLM2-135M has 9 attention heads and 3 KV heads: vLLM refuses --tensor-parallel-size 2 ("Total
+    number of attention heads (9) must be divisible by tensor parallel size (2)"), so TP=3 (one KV head a
+    rank). vLLM's CPU build binds each worker's threads to a NUMA node of its own unless told otherwise
+    ("Not enough allowed NUMA nodes to bind threads of 3 local CPUWorkers"): `nobind` here."""
+    import shutil
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm
+
+    if not VLLM_PYTHON.exists():
+        pytest.skip(".venv-vllm is missing: `make vllm` creates it")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    shm = tempfile.mkdtemp(prefix="kvtier-tp3-", dir="/dev/shm")
+    try:
+        tiers, tp = [f"shm:{shm}:512MiB"], ("--tensor-parallel-size", "3")
+        prompt = shakespeare_text[30000:31400]
+        with start_vllm(tmp_path_factory.mktemp("vllm") / "tp3-first.log", tiers, extra_args=tp) as server:
+            first = server.complete(prompt)
+            log = server.log_tail(400_000)
+        assert all(f"rank {r} of 3" in log for r in range(3)) and first["kvtier_hit_tokens"] == {}
+        num_blocks = (len(first["prompt_token_ids"]) - 1) // BLOCK_TOKENS
+        assert len(list(Path(shm).rglob("*.kvb"))) >= 3 * num_blocks  # every rank's shard of every block
+        with start_vllm(tmp_path_factory.mktemp("vllm") / "tp3-second.log", tiers, extra_args=tp) as server:
+            second = server.complete(prompt)
+            assert server.metric("kvtier:loaded_blocks_total") == 3 * num_blocks
+            assert server.metric("kvtier:hit_tokens_total", tier="shm") == num_blocks * BLOCK_TOKENS
+        assert second["kvtier_hit_tokens"] == {"shm": num_blocks * BLOCK_TOKENS}
+        assert second["text"] == first["text"]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
