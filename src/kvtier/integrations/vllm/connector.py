@@ -172,8 +172,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.finish_layerwise()
         self._worker.finish_save()
-        if self._producer:
-            self._worker.wait_saves()  # in the tiers before the reply: the consumer looks them up next
+        if self._producer:  # in the shared tiers before the reply: the consumer looks them up next
+            self._worker.wait_saves()
+            self._manager.flush()  # the write-through below a dram: tier
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.take_finished_loads() or None
