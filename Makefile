@@ -15,7 +15,7 @@ LMCACHE_VENV := .venv-lmcache
 LMCACHE_BIN := $(LMCACHE_VENV)/bin
 LMCACHE_STAMP := $(LMCACHE_VENV)/.kvtier-installed
 
-.PHONY: run test setup system-deps vllm lmcache
+.PHONY: run test setup system-deps vllm lmcache gpu-check
 
 # Debian packages: redis-server for the Redis tier and its tests; the RDMA/NUMA
 # libraries that the Mooncake transfer engine links against (TCP is used here); chromium for the
@@ -78,3 +78,8 @@ run: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q
+
+# The connector's GPU path on a CUDA machine (README, "kvtier inside vLLM"): its CUDA tests, then vLLM's CUDA
+# build with `kvtier bench vllm --systems vllm,vllm-kvtier-dram` and vLLM's native --kv-offloading-size.
+gpu-check:
+	scripts/gpu_check.sh

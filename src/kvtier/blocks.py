@@ -20,18 +20,24 @@ DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_NAMESPACE = ""
 KEY_BYTES = 16
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1, "int8": 1}
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                "uint8": 1, "int8": 1}
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The shape of one block's KV, and the model it came from."""
+    """The shape of one block's KV, and the model it came from. `latent`: MLA's one latent vector per token
+    (no separate V; `num_kv_heads` 1, `head_dim` the latent width), a block [L, 1, 1, T, D]. `page`: names a
+    byte order inside the K and V halves other than [H, T, D] each (an engine kernel's packing, e.g. vLLM's
+    CPU attention, "cpu_attn:vec"); "" is kvtier's own."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "float32"  # the model's KV dtype, torch name without "torch."
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    latent: bool = False
+    page: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -39,22 +45,31 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in _DTYPE_BYTES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA latent layout has one head slot, got {self.num_kv_heads}")
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+        return (self.num_layers, self.num_parts, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def num_parts(self) -> int:
+        """2 (K, V), or 1 (MLA's latent)."""
+        return 1 if self.latent else 2
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K,V) x layers x kv heads x head dim x element bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+        """parts (K,V) x layers x kv heads x head dim x element bytes."""
+        return self.num_parts * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
         return self.bytes_per_token * self.block_tokens
 
     def encode(self) -> bytes:
-        return f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_tokens}".encode()
+        parts = [f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.block_tokens}"]
+        parts += ["latent"] * self.latent + [f"page={self.page}"] * bool(self.page)
+        return "/".join(parts).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,7 +106,8 @@ def loadable_tokens(reply: dict) -> int:
 
 def block_paths(ssd_dir, reply: dict, salt: str = "") -> list:
     model_dir = models.cache_dir() / "smollm2-135m-instruct"
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", block_tokens=BLOCK_TOKENS)
+    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", block_tokens=BLOCK_TOKENS,
+                      page="cpu_attn:vec")  # vLLM CPU's own bytes (its "vec" kernels keep K transposed)
     space = KeySpace(model_fingerprint(str(model_dir)), layout, "raw", salt)
     return [ssd_dir / key.hex()[:2] / f"{key.hex()}.kvb" for key in block_keys(space, reply["prompt_token_ids"])]
 

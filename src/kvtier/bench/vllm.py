@@ -6,6 +6,8 @@ vLLM's OpenAI API, on one device KV budget that cannot hold all conversations, s
   under /dev/shm, which vLLM's scheduler and worker processes both see);
 - `vllm-kvtier-ssd`: vLLM + kvtier's connector on DRAM + SSD (a temporary directory);
 - `vllm-kvtier-pool`: vLLM + kvtier on DRAM + a local Mooncake pool (started here);
+- `vllm-kvtier-disagg`: prefill/decode disaggregation: a `kv_producer` and a `kv_consumer` vLLM sharing an
+  `shm:` tier behind kvtier's proxy (`integrations/vllm/proxy.py`), each on the device budget;
 - `vllm-example`: vLLM + its ExampleConnector (safetensors files per prompt);
 - `vllm-lmcache`: vLLM + LMCache's multi-process connector and cache server on DRAM (its own
   environment, `make lmcache`; skipped with a message when that is missing);
@@ -34,8 +36,8 @@ from pathlib import Path
 
 from kvtier.bench.harness import SystemResult, TurnClock, Workload, chat_prompt, conversations, trace_requests
 
-SYSTEMS = ("vllm", "vllm-kvtier-dram", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-example", "vllm-lmcache",
-           "kvtier-serve")
+SYSTEMS = ("vllm", "vllm-kvtier-dram", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-kvtier-disagg", "vllm-example",
+           "vllm-lmcache", "kvtier-serve")
 
 
 async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens: int) -> str | None:
@@ -146,9 +148,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
-    from kvtier.testing.vllm import (LMCACHE_PYTHON, VLLM_PYTHON, LmcacheServer, VllmServer,
-                                     kvtier_transfer_config)
     from kvtier.testing.services import MooncakePool
+    from kvtier.testing.vllm import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
+                                     kvtier_transfer_config)
 
     python = VLLM_PYTHON
     if name == "vllm":
@@ -164,6 +166,12 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
         stack.callback(pool.kill)
         pool.start()
         transfer = kvtier_transfer_config(["dram:2GiB", pool.spec], load=load)
+    elif name == "vllm-kvtier-disagg":
+        shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
+        stack.callback(shutil.rmtree, shm, ignore_errors=True)
+        return stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
+                                                extra_args=("--num-gpu-blocks-override", str(num_blocks)),
+                                                max_model_len=(num_blocks - 1) * 32))
     elif name == "vllm-example":
         (tmp / "example").mkdir(exist_ok=True)
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",

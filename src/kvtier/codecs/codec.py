@@ -43,6 +43,9 @@ class Codec:
 
     def encode(self, kv: torch.Tensor, key: bytes) -> bytes:
         dtype = _check_kv(kv)
+        if (kv.shape[1] != 2 or dtype.startswith("float8")) and self.scheme.name != "raw":
+            raise ValueError(f"codec {self.name!r} quantizes K and V of a float KV; {dtype} {tuple(kv.shape)} "
+                             "(fp8 KV, an MLA latent) is stored raw only")
         parts = [_byte_view(p) for p in self.scheme.encode_parts(kv.detach())]
         flags = 0
         if self.use_zstd:
@@ -91,8 +94,9 @@ class Codec:
 
 def _check_kv(kv: torch.Tensor) -> str:
     dtype = str(kv.dtype).removeprefix("torch.")
-    if dtype not in header.DTYPE_IDS or kv.dim() != 5 or kv.shape[1] != 2 or kv.numel() == 0:
-        raise ValueError(f"codecs take a non-empty fp32/fp16/bf16/fp64 tensor [L, 2, H, T, D], "
+    if dtype not in header.DTYPE_IDS or kv.dim() != 5 or kv.shape[1] not in (1, 2) or kv.numel() == 0:
+        raise ValueError(f"codecs take a non-empty fp32/fp16/bf16/fp64/fp8 tensor [L, 2, H, T, D] "
+                         f"(an MLA latent: [L, 1, 1, T, D]), "
                          f"got {kv.dtype} {tuple(kv.shape)}")
     return dtype
 

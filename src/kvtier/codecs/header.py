@@ -2,7 +2,7 @@
 
 Layout (little-endian, 64 bytes, so the payload starts 64-byte aligned within the block):
     magic "KVTB" | version u16 | codec id u16 | flags u16 | dtype id u16 | group_tokens u16 |
-    group_size u16 | shape 5 x u32 ([L, 2, H, T, D]; T = the block's real token count, before any
+    group_size u16 | shape 5 x u32 ([L, 2, H, T, D], MLA [L, 1, 1, T, D]; T = the block's real token count, before any
     padding to a quantization group) | key tag u32 | payload length u64 | payload xxh3_64 u64 |
     header xxh3_64 u64 (over the block's key, then all the fields before it)
 flags: bit 0 = the payload went through zstd ("+zstd" codecs), bit 1 = zstd did not shrink it and it
@@ -33,7 +33,8 @@ HEADER_BYTES = _FIELDS.size + _CHECK.size
 assert HEADER_BYTES == 64, HEADER_BYTES
 
 CODEC_IDS = {"raw": 1, "fp8": 2, "int8": 3, "int4": 4, "int2": 5}
-DTYPE_IDS = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4}  # float64: tests on tiny models
+# float64: tests on tiny models; float8: vLLM's fp8 KV cache, stored as is (raw only)
+DTYPE_IDS = {"float32": 1, "float16": 2, "bfloat16": 3, "float64": 4, "float8_e4m3fn": 5, "float8_e5m2": 6}
 FLAG_ZSTD = 1
 FLAG_STORED = 2
 _ID_TO_CODEC = {v: k for k, v in CODEC_IDS.items()}

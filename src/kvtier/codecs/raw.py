@@ -9,7 +9,7 @@ import torch
 from kvtier.codecs.codec import frombuffer
 from kvtier.codecs.header import Header
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class RawScheme:

@@ -25,10 +25,12 @@ START_TIMEOUT_S = 420
 LMCACHE_PYTHON = Path(os.environ.get("KVTIER_LMCACHE_PYTHON", ROOT / ".venv-lmcache" / "bin" / "python"))
 
 
-def kvtier_transfer_config(tiers: list[str], codec: str = "raw", load: str = "layerwise") -> dict:
-    """The `--kv-transfer-config` that loads kvtier's connector on `tiers`."""
+def kvtier_transfer_config(tiers: list[str], codec: str = "raw", load: str = "layerwise",
+                           role: str = "kv_both") -> dict:
+    """The `--kv-transfer-config` that loads kvtier's connector on `tiers`; `role`: "kv_both", or
+    "kv_producer" / "kv_consumer" for prefill/decode disaggregation (`DisaggSystem`)."""
     return {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_role": role, "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"tiers": tiers, "codec": codec, "load": load}}
 
 
@@ -152,6 +154,51 @@ class VllmServer:
         """Sum of a sample over the series whose labels include `labels`."""
         return sum(value for (found, found_labels), value in self.metrics().items()
                    if found == name and all((k, v) in found_labels for k, v in labels.items()))
+
+
+class DisaggSystem:
+    """Prefill/decode disaggregation on one host: a `kv_producer` vLLM and a `kv_consumer` vLLM sharing
+    `tiers` (a pool, Redis, `shm:`), started one after the other, behind kvtier's proxy (`proxy.py`, in a
+    thread of this process). `url`, `complete` and `metrics` are the proxy's (metrics: the consumer's)."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, tiers: list[str], *, extra_args: tuple[str, ...] = (),
+                 max_model_len: int = 2048, load: str = "layerwise") -> None:
+        def server(role: str) -> VllmServer:
+            return VllmServer(model_dir, log_dir / f"{role}.log", extra_args=extra_args, max_model_len=max_model_len,
+                              kv_transfer=kvtier_transfer_config(tiers, load=load, role=role))
+        self.producer, self.consumer = server("kv_producer"), server("kv_consumer")
+        self.proxy = None
+        self.client: httpx.Client | None = None
+        self.url = ""
+
+    def __enter__(self) -> DisaggSystem:
+        from kvtier.integrations.vllm.proxy import ProxyThread
+
+        try:
+            self.producer.__enter__()
+            self.consumer.__enter__()
+            self.proxy = ProxyThread(self.producer.url, self.consumer.url).__enter__()
+        except BaseException:
+            self.__exit__()
+            raise
+        self.url = self.proxy.url
+        self.client = httpx.Client(base_url=self.url, timeout=600)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.proxy is not None:
+            self.proxy.__exit__()
+        self.consumer.stop()
+        self.producer.stop()
+
+    complete = VllmServer.complete
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return self.consumer.metrics()
+
+    metric = VllmServer.metric
 
 
 def _stop_group(proc: subprocess.Popen, *, timeout_s: float) -> None:

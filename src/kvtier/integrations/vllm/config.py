@@ -1,6 +1,7 @@
 """The connector's settings (`kv_connector_extra_config`) and the block layout and key space vLLM implies.
 
-One kvtier block is one vLLM block (`--block-size` tokens), all layers: `[L, 2, H_kv, block_size, D]`.
+One kvtier block is one vLLM block (`--block-size` tokens), all layers: `[L, 2, H_kv, block_size, D]` (MLA:
+`[L, 1, 1, block_size, latent]`), in the KV cache's dtype (fp8 KV: its fp8 format, stored as vLLM's bytes).
 Keys chain over token ids from a root naming the weights, the layout, the codec and the request's
 `cache_salt` (vLLM's own block hashes name none of the model), so two models or two tenants never
 meet in one pool.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout
+from kvtier.integrations.vllm.layouts import kv_dtype
 from kvtier.tiers.spec import TierSpec, parse_specs
 
 _KNOWN_KEYS = {"tiers", "codec", "fingerprint", "max_pending_saves", "load"}
@@ -67,21 +69,27 @@ class ConnectorConfig:
 def check_supported(vllm_config) -> None:
     """What this connector does not (yet) handle, refused at start rather than served wrong."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-        raise ValueError("KvtierConnector supports one worker (tensor/pipeline parallel size 1)")
-    if vllm_config.cache_config.cache_dtype != "auto":
-        raise ValueError("KvtierConnector supports --kv-cache-dtype auto only")
+    if parallel.pipeline_parallel_size != 1:
+        raise ValueError("KvtierConnector supports tensor parallelism, not pipeline parallelism "
+                         "(--pipeline-parallel-size 1)")
+    context = (getattr(parallel, "decode_context_parallel_size", 1), getattr(parallel, "prefill_context_parallel_size", 1))
+    if context != (1, 1):
+        raise ValueError("KvtierConnector keeps every token of a block on each rank: decode/prefill context "
+                         f"parallel sizes must be 1, got {context}")
+    kv_dtype(vllm_config.cache_config.cache_dtype, "auto")  # raises for a KV format it does not know
     if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
         raise ValueError('KvtierConnector needs "kv_load_failure_policy": "recompute" in --kv-transfer-config: '
                          "a block that turns out corrupt or missing is then recomputed instead of failing the request")
 
 
-def layout_for(vllm_config) -> KVLayout:
+def layout_for(vllm_config, page: str = "") -> KVLayout:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
+    dtype = kv_dtype(vllm_config.cache_config.cache_dtype, str(model.dtype).removeprefix("torch."))
+    latent = bool(model.use_mla)  # MLA: one latent of `get_head_size()` (kv_lora_rank + rope dim) per token
     return KVLayout(num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
-                    head_dim=model.get_head_size(), dtype=str(model.dtype).removeprefix("torch."),
-                    block_tokens=vllm_config.cache_config.block_size)
+                    head_dim=model.get_head_size(), dtype=dtype, block_tokens=vllm_config.cache_config.block_size,
+                    latent=latent, page=page)
 
 
 def fingerprint_for(vllm_config) -> str:
@@ -95,5 +103,10 @@ def model_fingerprint(model: str, revision: str | None = None, quantization: str
     return hashlib.sha256(f"{base}/{quantization or 'none'}".encode()).hexdigest()[:16]
 
 
-def key_space(vllm_config, config: ConnectorConfig) -> KeySpace:
-    return KeySpace(config.fingerprint or fingerprint_for(vllm_config), layout_for(vllm_config), config.codec)
+def key_space(vllm_config, config: ConnectorConfig, page: str = "") -> KeySpace:
+    """`page`: `layouts.engine_page(vllm_config)` (imports vLLM)."""
+    layout = layout_for(vllm_config, page)
+    if (layout.latent or layout.dtype.startswith("float8")) and config.codec.removesuffix("+zstd") != "raw":
+        raise ValueError(f'KvtierConnector stores {"an MLA latent" if layout.latent else "fp8 KV"} as vLLM\'s bytes: '
+                         f'"codec" must be "raw" or "raw+zstd", got {config.codec!r}')
+    return KeySpace(config.fingerprint or fingerprint_for(vllm_config), layout, config.codec)

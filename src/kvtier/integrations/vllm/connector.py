@@ -24,8 +24,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
+from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
-from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
+from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec, for_rank
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers.manager import build_manager
@@ -66,23 +67,30 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_supported(vllm_config)
         config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self._space = key_space(vllm_config, config)
+        self._space = key_space(vllm_config, config, engine_page(vllm_config))
         codec = get_codec(config.codec)
         slot_bytes = codec.max_encoded_bytes(self._space.layout) + 4096
         self._layerwise = config.load == "layerwise"
+        # tensor parallel: each rank keeps its shard (its KV heads) under keys naming rank and world size
+        self._world_size = vllm_config.parallel_config.tensor_parallel_size
+        self._rank = vllm_config.parallel_config.rank
+        # disaggregation: a producer (prefill) writes its blocks down before its reply leaves; a consumer
+        # (decode) loads and writes nothing
+        self._producer = self._kv_transfer_config.kv_role == "kv_producer"
+        self._consumer = self._kv_transfer_config.kv_role == "kv_consumer"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             # Lookups only (no writes): the worker's DRAM is in another process; what it holds is
             # written through to the shared tiers, which the scheduler asks.
             self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
-            self._scheduler = SchedulerSide(self._space, self._manager)
+            self._scheduler = SchedulerSide(self._space, self._manager, self._world_size)
         else:
             self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
             self._worker = WorkerSide(self._space.layout, codec, self._manager,
                                       max_pending_saves=config.max_pending_saves)
-        log.info("kvtier connector (%s): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
-                 [tier.name for tier in self._manager.tiers], codec.name, config.load,
+        log.info("kvtier connector (%s, rank %d of %d): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
+                 self._rank, self._world_size, [tier.name for tier in self._manager.tiers], codec.name, config.load,
                  self._space.layout.encode().decode())
 
     @property
@@ -109,7 +117,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
         records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
                                                 lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
-        return KvtierMetadata(records.loads, records.saves)
+        return KvtierMetadata(records.loads, [] if self._consumer else records.saves)
 
     def update_connector_output(self, connector_output) -> None:
         worker_meta = connector_output.kv_connector_worker_meta
@@ -127,13 +135,23 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # -- worker side -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
-        self._worker.register(kv_caches, extract_layer_index)
+        layers = self._vllm_config.compilation_config.static_forward_context
+        backends = {layers[name].attn_backend.get_name() for name in kv_caches}
+        if len(backends) != 1:
+            raise ValueError(f"KvtierConnector needs one attention backend for every layer, got {sorted(backends)}")
+        page = page_format(backends.pop(), self._space.layout)
+        self._worker.register(kv_caches, extract_layer_index, page)
+        log.info("kvtier worker: %d layers of %s pages, %s", len(kv_caches), page,
+                 [tuple(t.shape) for t in list(kv_caches.values())[:1]])
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
             assert isinstance(connector_metadata, KvtierMetadata)
+            # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker)
+            connector_metadata = KvtierMetadata(for_rank(connector_metadata.loads, self._rank, self._world_size),
+                                                for_rank(connector_metadata.saves, self._rank, self._world_size))
             self._worker.begin_step(connector_metadata.saves)
+        super().bind_connector_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         """Async: after the forward (vLLM starts async loads then), the requests wait for them.
@@ -154,6 +172,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.finish_layerwise()
         self._worker.finish_save()
+        if self._producer:  # in the shared tiers before the reply: the consumer looks them up next
+            self._worker.wait_saves()
+            self._manager.flush()  # the write-through below a dram: tier
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._worker.take_finished_loads() or None
@@ -167,6 +188,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
         stats = self._worker.take_stats() if self._worker else {}
+        if self._rank != 0:  # vLLM sums the ranks' stats: a prompt's tokens are counted once, by rank 0
+            stats = {k: v for k, v in stats.items() if not k.startswith("hit_tokens_")}
         return KvtierConnectorStats(data=stats) if stats else None
 
     @classmethod

@@ -11,15 +11,20 @@ from __future__ import annotations
 import logging
 
 from kvtier.blocks import KeySpace
-from kvtier.integrations.vllm.trackers import LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords, request_namespace
+from kvtier.integrations.vllm.trackers import (LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords,
+                                               request_namespace, shard_keys)
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 
 
 class SchedulerSide:
-    def __init__(self, space: KeySpace, manager: TierManager) -> None:
+    """`world_size` workers (tensor parallel ranks) each store their shard of a block under its own key
+    (`plan.shard_keys`): a block is a hit only when every rank's shard is held."""
+
+    def __init__(self, space: KeySpace, manager: TierManager, world_size: int = 1) -> None:
         self.space = space
+        self.world_size = world_size
         self.block_tokens = space.layout.block_tokens
         self.manager = manager
         self._trackers: dict[str, RequestTracker] = {}
@@ -46,13 +51,23 @@ class SchedulerSide:
             return 0
         keys = self._tracker(request).keys_for(tokens, num_blocks)[first:]
         try:
-            tiers = self.manager.match(keys).tiers
+            tiers = self._match(keys)
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
             log.exception("kvtier: lookup failed; computing the prompt")
             return 0
         if tiers:
             self._plans[request.request_id] = LoadPlan(first, keys[:len(tiers)], tiers)
         return len(tiers) * self.block_tokens
+
+    def _match(self, keys: list[bytes]) -> list[str]:
+        """The tiers of the longest run of blocks every rank holds (rank 0's tier for each)."""
+        tiers = self.manager.match(shard_keys(keys, 0, self.world_size)).tiers
+        for rank in range(1, self.world_size):
+            if not tiers:
+                break
+            held = self.manager.match(shard_keys(keys[:len(tiers)], rank, self.world_size)).tiers
+            tiers = tiers[:len(held)]
+        return tiers
 
     def after_alloc(self, request, block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks are allocated: queue the load into them; nothing before them is to be saved again."""

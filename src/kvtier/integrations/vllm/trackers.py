@@ -7,7 +7,9 @@ Records that cross to the worker carry keys and block ids only, never tensors.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import xxhash
 
 from kvtier.blocks import KeySpace, block_keys, chain_key
 
@@ -37,6 +39,20 @@ class LoadPlan:
     first_block: int
     keys: list[bytes]
     tiers: list[str]
+
+
+def shard_keys(keys: list[bytes], rank: int, world_size: int) -> list[bytes]:
+    """The keys rank `rank` of `world_size` (tensor parallel) stores its shard of each block under: the
+    chain key bound to the rank and the world size (one worker: the chain key itself)."""
+    if world_size == 1:
+        return keys
+    tag = f"/tp{rank}of{world_size}".encode()
+    return [xxhash.xxh3_128(key + tag).digest() for key in keys]
+
+
+def for_rank(specs: list, rank: int, world_size: int) -> list:
+    """`LoadSpec`s or `SaveSpec`s with their keys for rank `rank`'s shards."""
+    return [replace(spec, keys=shard_keys(spec.keys, rank, world_size)) for spec in specs]
 
 
 def request_namespace(cache_salt: str | None, lora_name: str | None = None) -> str:

@@ -29,23 +29,12 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError, Header
+from kvtier.integrations.vllm.cuda_mover import BlockMover
+from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
-
-
-def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """A view [num_blocks, 2, H, T, D] of one layer of vLLM's CPU cache.
-
-    The CPU attention backend holds a layer as [num_blocks, H, T, 2 * D] and reads it as
-    [num_blocks, H, 2 * T, D]: per block and head, T key rows then T value rows."""
-    num_blocks, num_heads, block_tokens, width = kv_cache.shape
-    if (num_heads, block_tokens, width) != (layout.num_kv_heads, layout.block_tokens, 2 * layout.head_dim):
-        raise ValueError(f"KV cache layer shape {tuple(kv_cache.shape)} is not the CPU backend's "
-                         f"[blocks, {layout.num_kv_heads}, {layout.block_tokens}, {2 * layout.head_dim}]")
-    view = kv_cache.view(num_blocks, num_heads, 2, block_tokens, layout.head_dim)
-    return view.transpose(1, 2)
 
 
 @dataclass(slots=True)
@@ -54,7 +43,7 @@ class _StepSave:
 
     specs: list[SaveSpec]
     index: torch.Tensor        # their device block ids, the specs' in order
-    kv: torch.Tensor           # [L, n, 2, H, T, D]: one contiguous slab per layer (one copy on the step)
+    kv: torch.Tensor           # [L, n, 2, H, T, D] (MLA: [L, n, 1, 1, T, D]): one contiguous slab per layer
     layers_done: list[bool]
 
 
@@ -71,7 +60,7 @@ class WorkerSide:
         self.layout = layout
         self.codec = codec
         self.manager = manager
-        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
+        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D] (layouts.block_view)
         self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
@@ -86,12 +75,13 @@ class WorkerSide:
         self._saver = threading.Thread(target=self._drain_saves, name="kvtier-save", daemon=True)
         self._saver.start()
 
-    def register(self, kv_caches: dict[str, torch.Tensor], layer_index) -> None:
-        """`layer_index(name) -> int` orders vLLM's layer names."""
+    def register(self, kv_caches: dict[str, torch.Tensor], layer_index, page: str = "planes") -> None:
+        """`layer_index(name) -> int` orders vLLM's layer names; `page` is their format (`layouts`)."""
         names = sorted(kv_caches, key=layer_index)
         if len(names) != self.layout.num_layers:
             raise ValueError(f"{len(names)} KV cache layers registered, the model has {self.layout.num_layers}")
-        self._views = [block_view(kv_caches[name], self.layout) for name in names]
+        self._views = [block_view(kv_caches[name], page, self.layout) for name in names]
+        self._mover = BlockMover(self._views[0].device, len(names))  # CUDA: side stream, pinned buffers
         self._layer_of = {name: i for i, name in enumerate(names)}
         dtype = str(self._views[0].dtype).removeprefix("torch.")
         if dtype != self.layout.dtype:
@@ -168,7 +158,7 @@ class WorkerSide:
 
     def _write_layer(self, blocks: list[torch.Tensor], index: torch.Tensor, layer: int) -> None:
         # blocks: n x [L, 2, H, T, D], every one already verified; one layer gathered, then one index_put
-        self._views[layer][index] = torch.stack([block[layer] for block in blocks])
+        self._mover.copy_in(self._views[layer], index, [block[layer] for block in blocks], layer)
 
     def start_layerwise(self, loads: list[LoadSpec]) -> None:
         """Layerwise mode: this step's loads start now; `wait_layer` holds each layer's attention until
@@ -210,6 +200,7 @@ class WorkerSide:
         state, layer = self._layerwise, self._layer_of.get(layer_name)
         if state is not None and layer is not None:
             state.ready[layer].wait()
+            self._mover.wait_layer(layer)
 
     def finish_layerwise(self) -> None:
         """Step end: the step's layerwise loads are over (the forward may have skipped some layers)."""
@@ -248,7 +239,7 @@ class WorkerSide:
         if not block_ids or not self._views:
             return
         view = self._views[0]
-        kv = torch.empty((len(self._views), len(block_ids), *view.shape[1:]), dtype=view.dtype)
+        kv = self._mover.host_slab((len(self._views), len(block_ids), *view.shape[1:]), view.dtype)
         self._step_save = _StepSave(saves, torch.tensor(block_ids, dtype=torch.long), kv,
                                     [False] * len(self._views))
 
@@ -260,7 +251,7 @@ class WorkerSide:
 
     def _copy_out(self, step: _StepSave, layer: int) -> None:
         start = time.perf_counter()
-        torch.index_select(self._views[layer], 0, step.index, out=step.kv[layer])
+        self._mover.copy_out(self._views[layer], step.index, step.kv[layer], layer)
         step.layers_done[layer] = True
         with self._lock:
             self._stats["save_copy_seconds"] += time.perf_counter() - start
@@ -276,6 +267,7 @@ class WorkerSide:
         for layer, done in enumerate(step.layers_done):
             if not done:
                 self._copy_out(step, layer)
+        self._mover.finish_saves()
         keys, positions, offset = [], [], 0
         for spec in step.specs:
             if spec.req_id not in failed_req_ids:

@@ -1,0 +1,101 @@
+"""Prefill/decode disaggregation under real vLLM (the CPU build in `.venv-vllm`): three engine starts.
+
+1. vLLM alone: the reference replies, and its TTFT computing a ~4k-token prompt.
+2. A `kv_producer` and a `kv_consumer` vLLM sharing an `shm:` tier, behind kvtier's proxy: the consumer
+   loads every full block of the prompt and prints vLLM alone's text; its TTFT on another ~4k-token prompt,
+   prefilled by the producer, is measured (printed, not asserted: no timed asserts); the producer killed
+   mid-run, the consumer computes the prompt itself and nothing fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier import models
+from kvtier.testing.vllm import DisaggSystem
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing: `make vllm` creates it"),
+]
+MAX_MODEL_LEN = 4608
+PROMPT_CHARS = 14000  # ~4k tokens
+
+
+@pytest.fixture(scope="module")
+def prompts(shakespeare_text) -> dict[str, str]:
+    return {name: shakespeare_text[i * 20000:i * 20000 + PROMPT_CHARS]
+            for i, name in enumerate(("disagg", "ttft", "killed", "fresh"))}
+
+
+def ttft(url: str, prompt: str) -> float:
+    """Seconds to the first streamed token of a greedy completion."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise RuntimeError("no token streamed")
+
+
+@pytest.fixture(scope="module")
+def reference(prompts, tmp_path_factory) -> dict:
+    with start_vllm(tmp_path_factory.mktemp("vllm") / "alone.log",
+                    extra_args=("--max-model-len", str(MAX_MODEL_LEN))) as server:
+        out = {name: server.complete(prompt) for name, prompt in prompts.items() if name in ("disagg", "killed")}
+        ttft(server.url, prompts["disagg"][:200])  # warm up
+        out["ttft_s"] = ttft(server.url, prompts["ttft"])
+    return out
+
+
+@pytest.fixture
+def shm_dir():
+    path = tempfile.mkdtemp(prefix="kvtier-disagg-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_consumer_loads_the_producers_blocks_and_a_dead_producer_fails_nothing(reference, prompts, shm_dir,
+                                                                                    tmp_path_factory):
+    model_dir = models.cache_dir() / "smollm2-135m-instruct"
+    with DisaggSystem(model_dir, tmp_path_factory.mktemp("disagg"), [f"shm:{shm_dir}:2GiB"],
+                      max_model_len=MAX_MODEL_LEN) as system:
+        reply = system.complete(prompts["disagg"])
+        num_prompt = len(reply["prompt_token_ids"])
+        assert num_prompt > 3500
+        loadable = (num_prompt - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        assert reply["kvtier_hit_tokens"] == {"shm": loadable} and loadable >= num_prompt - BLOCK_TOKENS
+        assert reply["text"] == reference["disagg"]["text"]
+        assert system.metric("kvtier:saved_blocks_total") == 0  # the consumer writes nothing
+
+        # TTFT: the producer prefills (as the proxy does), then the consumer is timed alone
+        system.producer.complete(prompts["ttft"], max_tokens=1)
+        consumer_ttft = ttft(system.consumer.url, prompts["ttft"])
+        print(f"\nTTFT on a {num_prompt}-token prompt: vLLM alone {reference['ttft_s']:.3f} s, "
+              f"consumer after the producer's prefill {consumer_ttft:.3f} s "
+              f"({reference['ttft_s'] / consumer_ttft:.1f}x lower)")
+
+        os.killpg(system.producer.proc.pid, signal.SIGKILL)  # the producer dies mid-run
+        system.producer.proc.wait(timeout=60)
+        killed = system.complete(prompts["killed"])
+        assert killed["text"] == reference["killed"]["text"] and killed["kvtier_hit_tokens"] == {}
+        assert system.proxy.stats()["prefill_failures"] == 1
+        # the same moment's load on the cores: the consumer computing a ~4k-token prompt itself
+        own_ttft = ttft(system.consumer.url, prompts["fresh"])
+        print(f"consumer computing a fresh prompt itself: {own_ttft:.3f} s "
+              f"({own_ttft / consumer_ttft:.1f}x its TTFT after the producer's prefill)")
