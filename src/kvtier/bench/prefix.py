@@ -238,7 +238,8 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
         block_tokens: int = 256, ssd_dir: str | None = None, pool_urls: dict[str, str] | None = None,
         progress=print, model: str = "smollm2") -> list[PrefixRow]:
     """The whole benchmark on SmolLM2 (or `model`) and tinyshakespeare; one row per tier plus recompute."""
-    from kvtier import models, services
+    from kvtier import models
+    from kvtier.testing import services
     from kvtier.codecs import get_codec
     from kvtier.data import SHAKESPEARE, shared_data_file
     from kvtier.tiers.manager import build_manager
