@@ -149,7 +149,7 @@ def test_a_stream_verifies_each_block_as_it_is_pulled_and_settles_at_the_end(tmp
     checked: list[bytes] = []
     import kvtier.tiers.manager as manager_module
     verify = manager_module.verify
-    manager_module.verify = lambda data, key: (checked.append(key), verify(data, key))[1]
+    manager_module.verify = lambda data, key, **kw: (checked.append(key), verify(data, key, **kw))[1]
     try:
         stream = m.stream(match)
         first = next(stream)
@@ -200,7 +200,7 @@ def test_full_write_queue_drops_instead_of_blocking(tmp_path):
     ssd_lock.acquire()  # the writer cannot make progress while we hold the SSD tier's lock
     try:
         for i in range(4):
-            m._enqueue([(K[i], _block(i))])
+            m._writeback.submit([(K[i], _block(i))], through=True)
         m.tiers[0].put_many([(K[7], _block(7))])
         assert m.get_prefix([K[7]]) == [_block(7)]  # a DRAM hit does not wait for the stuck SSD writer
     finally:
@@ -296,7 +296,7 @@ class _SlowBackend:
     def __init__(self) -> None:
         self.name_to_data: dict[str, bytes] = {}
         self.in_put = threading.Event()
-        self.release = threading.Event()
+        self.unblock = threading.Event()
 
     def connect(self) -> None:
         """Always reachable."""
@@ -307,9 +307,16 @@ class _SlowBackend:
     def get(self, names):
         return [self.name_to_data.get(n) for n in names]
 
+    def lease(self, names):
+        """Copies, as Redis: nothing to give back."""
+        return [None if data is None else (data, None) for data in self.get(names)]
+
+    def release(self, buffers) -> None:
+        raise AssertionError("a pool of copies is never asked to give anything back")
+
     def put(self, items) -> None:
         self.in_put.set()
-        assert self.release.wait(30)
+        assert self.unblock.wait(30)
         self.name_to_data.update(items)
 
     def remove(self, name) -> bool:
@@ -332,9 +339,9 @@ def test_reads_do_not_wait_behind_a_slow_write():
         with ThreadPoolExecutor(1) as pool:  # bounded: a read queued behind the put would time out here
             assert pool.submit(m.lookup, K[:2]).result(timeout=10) == ["pool", "dram"]
             assert pool.submit(m.get_prefix, K[:2]).result(timeout=10) == [_block(0), _block(1)]
-        assert not backend.release.is_set()  # the put was still in flight all along
+        assert not backend.unblock.is_set()  # the put was still in flight all along
     finally:
-        backend.release.set()
+        backend.unblock.set()
     m.flush()
     assert backend.exists([KEY_PREFIX + K[1].hex()]) == [True]
     m.close()
@@ -375,7 +382,7 @@ def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(cap
     """A pool tier has no leases: a leased read or stream gets its bytes and never asks it to
     release anything (no error logged), while the DRAM blocks beside it are leased and released."""
     backend = _SlowBackend()
-    backend.release.set()
+    backend.unblock.set()
     backend.name_to_data[KEY_PREFIX + K[1].hex()] = _block(1)
     m = TierManager([HostTier(4 * SIZE, SIZE), PoolTier("pool", backend)], backoff=FAST)
     dram, pool = m.tiers
