@@ -146,7 +146,7 @@ class DiskTier:
     def pin_many(self, keys: list[bytes]) -> list[bool]:
         """`contains_many`, each held block kept from eviction until `unpin` (the file may still go
         behind our back, another process's eviction: the read then misses and falls through)."""
-        held = self.contains_many(keys)
+        held = [self._holds(key) for key in keys]
         with self._index_lock:
             for i, key in enumerate(keys):
                 if held[i] and key in self._lru:
