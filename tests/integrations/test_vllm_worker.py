@@ -74,7 +74,7 @@ def test_loads_write_verified_blocks_and_report_the_rest(manager, tmp_path, mode
 
     worker, target = new_worker(manager)
     untouched = blocks_of(target, [4, 5])
-    spec = LoadSpec("r1", keys, [3, 4, 5])
+    spec = LoadSpec("r1", keys, [3, 4, 5], ["shm"] * 3)  # where the scheduler found them
     if mode == "async":
         worker.start_loads([spec])
         worker.shutdown()  # drains the loader
@@ -111,7 +111,7 @@ def test_loads_from_dram_copy_straight_out_of_its_slots_and_end_every_lease(mode
     lease = dram.lease_many
     dram.lease_many = lambda ks: served.append(len(ks)) or lease(ks)
     worker, target = new_worker(manager)
-    spec = LoadSpec("r1", keys, [4, 5])
+    spec = LoadSpec("r1", keys, [4, 5], ["dram"] * 2)
     if mode == "async":
         worker.start_loads([spec])
         worker.shutdown()
