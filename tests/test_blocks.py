@@ -52,3 +52,21 @@ def test_keys_are_deterministic_across_processes():
 def test_bad_layout_rejected():
     with pytest.raises(ValueError, match="head_dim"):
         KVLayout(2, 2, 0)
+
+
+def test_a_key_chain_grows_with_its_tokens_and_never_rehashes(monkeypatch):
+    """The vLLM tracker's and TieredCache's keys: extended as tokens arrive, each block hashed once."""
+    import kvtier.blocks as blocks
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_tokens=4)
+    space = KeySpace("fp", layout, "raw")
+    tokens = list(range(22))  # 5 full blocks
+    expected = block_keys(space, tokens)
+    hashed = []
+    monkeypatch.setattr(blocks, "chain_key", lambda parent, ids: hashed.append(list(ids)) or chain_key(parent, ids))
+    chain = blocks.KeyChain(space)
+    assert chain.extend(tokens[:9]) == expected[:2]
+    assert chain.extend(tokens, 3) == expected[:3]
+    assert chain.extend(tokens) == expected
+    assert chain.extend(tokens, 2) == expected[:2]
+    assert hashed == [tokens[i:i + 4] for i in range(0, 20, 4)]  # every block once, in order

@@ -149,7 +149,7 @@ def test_a_stream_verifies_each_block_as_it_is_pulled_and_settles_at_the_end(tmp
     checked: list[bytes] = []
     import kvtier.tiers.manager as manager_module
     verify = manager_module.verify
-    manager_module.verify = lambda data, key: (checked.append(key), verify(data, key))[1]
+    manager_module.verify = lambda data, key, **kw: (checked.append(key), verify(data, key, **kw))[1]
     try:
         stream = m.stream(match)
         first = next(stream)
@@ -200,7 +200,7 @@ def test_full_write_queue_drops_instead_of_blocking(tmp_path):
     ssd_lock.acquire()  # the writer cannot make progress while we hold the SSD tier's lock
     try:
         for i in range(4):
-            m._enqueue([(K[i], _block(i))])
+            m._writeback.submit([(K[i], _block(i))], through=True)
         m.tiers[0].put_many([(K[7], _block(7))])
         assert m.get_prefix([K[7]]) == [_block(7)]  # a DRAM hit does not wait for the stuck SSD writer
     finally:
@@ -296,7 +296,7 @@ class _SlowBackend:
     def __init__(self) -> None:
         self.name_to_data: dict[str, bytes] = {}
         self.in_put = threading.Event()
-        self.release = threading.Event()
+        self.unblock = threading.Event()
 
     def connect(self) -> None:
         """Always reachable."""
@@ -307,9 +307,16 @@ class _SlowBackend:
     def get(self, names):
         return [self.name_to_data.get(n) for n in names]
 
+    def lease(self, names):
+        """Copies, as Redis: nothing to give back."""
+        return [None if data is None else (data, None) for data in self.get(names)]
+
+    def release(self, buffers) -> None:
+        raise AssertionError("a pool of copies is never asked to give anything back")
+
     def put(self, items) -> None:
         self.in_put.set()
-        assert self.release.wait(30)
+        assert self.unblock.wait(30)
         self.name_to_data.update(items)
 
     def remove(self, name) -> bool:
@@ -332,9 +339,9 @@ def test_reads_do_not_wait_behind_a_slow_write():
         with ThreadPoolExecutor(1) as pool:  # bounded: a read queued behind the put would time out here
             assert pool.submit(m.lookup, K[:2]).result(timeout=10) == ["pool", "dram"]
             assert pool.submit(m.get_prefix, K[:2]).result(timeout=10) == [_block(0), _block(1)]
-        assert not backend.release.is_set()  # the put was still in flight all along
+        assert not backend.unblock.is_set()  # the put was still in flight all along
     finally:
-        backend.release.set()
+        backend.unblock.set()
     m.flush()
     assert backend.exists([KEY_PREFIX + K[1].hex()]) == [True]
     m.close()
@@ -375,7 +382,7 @@ def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(cap
     """A pool tier has no leases: a leased read or stream gets its bytes and never asks it to
     release anything (no error logged), while the DRAM blocks beside it are leased and released."""
     backend = _SlowBackend()
-    backend.release.set()
+    backend.unblock.set()
     backend.name_to_data[KEY_PREFIX + K[1].hex()] = _block(1)
     m = TierManager([HostTier(4 * SIZE, SIZE), PoolTier("pool", backend)], backoff=FAST)
     dram, pool = m.tiers
@@ -389,4 +396,117 @@ def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(cap
         assert [(b.tier, bytes(b.payload)) for b in m.stream(m.match(K[:2]))] == [("dram", _block(0)), ("pool", _block(1))]
     assert dram.num_leased() == 0 and pool.health.healthy
     assert not [r for r in caplog.records if "release" in r.getMessage()]
+    m.close()
+
+
+# -- integrity by where a block has been (issue 21) ------------------------------------------------
+def _flip(data: bytes, offset: int) -> bytes:
+    out = bytearray(data)
+    out[offset] ^= 0xFF
+    return bytes(out)
+
+
+def test_a_dram_block_is_checked_by_its_key_bound_header(tmp_path):
+    """A block in this process's own DRAM slots never left the process: its header (key tag, header
+    checksum) is checked, not its payload hash — a wrong key or a torn header is still caught."""
+    import kvtier.codecs.header as header
+
+    m = _stack(tmp_path)
+    dram = m.tiers[0]
+    dram.put_many([(K[0], _block(0)), (K[1], _block(1, K[0])), (K[2], _flip(_block(2), 40))])  # K[1] foreign, K[2] torn header
+    checked = []
+    verify = header.verify
+    import kvtier.tiers.manager as manager_module
+    manager_module.verify = lambda data, key, **kw: (checked.append(kw.get("payload", True)), verify(data, key, **kw))[1]
+    try:
+        assert [bytes(p) for p in m.read(m.match(K[:3])).payloads] == [_block(0)]
+    finally:
+        manager_module.verify = verify
+    assert checked == [False, False, False]  # header only, for every DRAM block
+    assert dram.stats.corrupt == 2 and dram.contains_many(K[:3]) == [True, False, False]
+    m.close()
+
+
+def test_a_corrupt_payload_is_caught_on_the_ssd_and_in_a_pool(tmp_path):
+    """Every block that crossed a medium keeps the full payload proof."""
+    backend = _SlowBackend()
+    backend.unblock.set()
+    backend.name_to_data[KEY_PREFIX + K[1].hex()] = _flip(_block(1), -1)
+    m = TierManager([HostTier(4 * SIZE, SIZE), PoolTier("pool", backend), DiskTier(tmp_path, 100 * SIZE)],
+                    backoff=FAST)
+    dram, pool, ssd = m.tiers
+    m.put_many([(K[0], _block(0))])
+    m.flush()
+    backend.name_to_data[KEY_PREFIX + K[1].hex()] = _flip(_block(1), -1)
+    ssd.put_many([(K[2], _flip(_block(2), -1))])
+    dram.delete(K[0])
+    ssd.delete(K[0])  # K[0] from the pool (intact), K[1] from the pool (payload flipped)
+    assert m.read(m.match(K[:2])).tiers == ["pool"] and pool.stats.corrupt == 1
+    backend.name_to_data.pop(KEY_PREFIX + K[2].hex(), None)
+    assert m.get_prefix([K[2]]) == [] and ssd.stats.corrupt == 1
+    m.close()
+
+
+# -- look up once, pin, read there (issue 21) --------------------------------------------------------
+def test_a_pinned_match_keeps_its_blocks_until_the_read_ends(tmp_path):
+    m = TierManager([HostTier(2 * SIZE, SIZE), DiskTier(tmp_path, 2 * SIZE)], async_writes=False)
+    dram, ssd = m.tiers
+    dram.put_many([(K[0], _block(0))])
+    ssd.put_many([(K[1], _block(1))])
+    match = m.match(K[:2], pin=True)
+    assert match.tiers == ["dram", "ssd"] and match.pinned == [True, True]
+    ssd.put_many([(K[4], _block(4)), (K[5], _block(5))])  # the SSD holds 2: K[1] is pinned, K[4] goes
+    dram.put_many([(K[6], _block(6)), (K[7], _block(7))])  # DRAM: K[0] is pinned, K[6] goes
+    assert ssd.contains_many([K[1], K[4]]) == [True, False]
+    assert dram.contains_many([K[0], K[6]]) == [True, False]
+    assert [b.tier for b in m.stream(match)] == ["dram", "ssd"]
+    assert match.pinned == [] and dram._pins.keys() == set() and ssd._pins == {}
+    m.unpin(match)  # idempotent
+    m.close()
+
+
+def test_a_block_gone_from_where_the_match_found_it_is_read_from_the_next_tier(tmp_path):
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    m.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    m.flush()
+    match = m.match(K[:2])
+    assert match.tiers == ["dram", "dram"]
+    dram.delete(K[1])  # evicted between the lookup and the read
+    blocks = list(m.stream(match))
+    assert [(b.tier, bytes(b.payload)) for b in blocks] == [("dram", _block(0)), ("ssd", _block(1))]
+    assert dram.contains_many([K[1]]) == [True]  # promoted again
+    m.close()
+
+
+def test_locate_reads_where_another_process_found_the_blocks_without_looking_them_up(tmp_path):
+    """vLLM's worker: the scheduler's lookup says where (tier names); only this process's DRAM, which
+    that lookup could not see, is asked (in memory); the SSD is read, never asked."""
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    ssd.put_many([(K[0], _block(0)), (K[1], _block(1)), (K[2], _block(2))])
+    dram.put_many([(K[1], _block(1))])
+    asked = []
+    holds = ssd._holds
+    ssd._holds = lambda key: asked.append(key) or holds(key)
+    match = m.locate(K[:4], ["ssd", "ssd", "ssd", "nowhere"])
+    assert match.tiers == ["ssd", "dram", "ssd"] and match.pinned == [False, True, False]
+    assert [bytes(b.payload) for b in m.stream(match)] == [_block(0), _block(1), _block(2)]
+    assert asked == [] and dram._pins.keys() == set()
+    m.close()
+
+
+def test_an_eviction_write_through_placed_below_returns_its_key_not_its_bytes(tmp_path):
+    m = _stack(tmp_path, dram_blocks=2)
+    dram, ssd = m.tiers
+    m.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    m.flush()  # written through: placed below
+    asked = []
+    contains = ssd.contains_many
+    ssd.contains_many = lambda ks: asked.extend(ks) or contains(ks)
+    assert dram.put_many([(K[2], _block(2))]) == [(K[0], None)]  # no bytes copied out
+    m.put_many([(K[3], _block(3))])  # evicts K[1] (placed below): nothing to demote
+    m.flush()
+    assert asked == [K[3]]  # the write-through's check only; no lookup for the evicted blocks
+    assert m.get_prefix(K[:4]) == [_block(i) for i in range(4)]
     m.close()

@@ -115,13 +115,34 @@ def chain_key(parent_key: bytes, block_token_ids: Sequence[int] | np.ndarray) ->
     return h.digest()
 
 
+class KeyChain:
+    """One sequence's block keys, grown with its tokens and never rehashed (vLLM's
+    `Request.block_hashes`): every stage that needs them (lookup, load, registration, saves) reads
+    this list. The tokens passed must extend those passed before (the same sequence)."""
+
+    def __init__(self, space: KeySpace) -> None:
+        self.space = space
+        self.keys: list[bytes] = []
+
+    def extend(self, token_ids: Sequence[int] | np.ndarray, num_blocks: int | None = None) -> list[bytes]:
+        """Keys of the first `num_blocks` full blocks of `token_ids` (default: every full block),
+        hashing only the blocks not keyed yet."""
+        block_tokens = self.space.layout.block_tokens
+        if num_blocks is None:
+            num_blocks = len(token_ids) // block_tokens
+        assert num_blocks * block_tokens <= len(token_ids), (num_blocks, len(token_ids))
+        if len(self.keys) < num_blocks:
+            tokens = np.asarray(token_ids[len(self.keys) * block_tokens:num_blocks * block_tokens], dtype=np.int64)
+            parent = self.keys[-1] if self.keys else self.space.root_key()
+            for start in range(0, tokens.size, block_tokens):
+                parent = chain_key(parent, tokens[start:start + block_tokens])
+                self.keys.append(parent)
+        return self.keys[:num_blocks]
+
+    def reset(self) -> None:
+        self.keys = []
+
+
 def block_keys(space: KeySpace, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
     """Keys of every *full* block of `token_ids` (a trailing partial block gets no key)."""
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    block_tokens = space.layout.block_tokens
-    keys: list[bytes] = []
-    parent = space.root_key()
-    for start in range(0, (tokens.size // block_tokens) * block_tokens, block_tokens):
-        parent = chain_key(parent, tokens[start:start + block_tokens])
-        keys.append(parent)
-    return keys
+    return KeyChain(space).extend(token_ids)

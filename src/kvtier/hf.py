@@ -21,15 +21,15 @@ Four things over `DynamicCache`:
 
 from __future__ import annotations
 
-from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeySpace, KVLayout, block_keys, key_codec
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeyChain, KeySpace, KVLayout, key_codec
 from kvtier.codecs import get_codec
 from kvtier.codecs.codec import byte_array
+from kvtier.transfer import BlockMover
 
 _MIN_CAPACITY_TOKENS = 256
 
@@ -55,6 +55,10 @@ class _BlockCopier:
         self.np_views = [tuple(byte_array(buf[0]) for buf in pair) for pair in buffers] \
             if all(buf.device.type == "cpu" for pair in buffers for buf in pair) else None
 
+    def at(self, block_tokens: int) -> "_TokenOffsets":
+        """The mover's sink: block i of the prefix goes to tokens [i * block_tokens, ...)."""
+        return _TokenOffsets(self, block_tokens)
+
     def __call__(self, block: torch.Tensor, start: int) -> None:
         end = start + block.shape[3]
         if self.np_views is not None and block.device.type == "cpu" and block.dtype == self.buffers[0][0].dtype:
@@ -66,6 +70,22 @@ class _BlockCopier:
         for layer_idx, (k_buf, v_buf) in enumerate(self.buffers):
             k_buf[0, :, start:end].copy_(block[layer_idx, 0], non_blocking=True)
             v_buf[0, :, start:end].copy_(block[layer_idx, 1], non_blocking=True)
+
+
+@dataclass(slots=True)
+class _TokenOffsets:
+    copy: _BlockCopier
+    block_tokens: int
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.copy(block, index * self.block_tokens)
+
+
+class _Kept(list):
+    """A sink that keeps the restored blocks (valid until the restore ends)."""
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.append(block)
 
 
 class TieredLayer(DynamicLayer):
@@ -200,6 +220,9 @@ class TieredCache(Cache):
         self.resident_codec = resident_codec
         self.space = KeySpace(model_fingerprint, self.layout, key_codec(self.codec.name, resident_codec), namespace)
         self.manager = manager
+        # restores and saves: the one block mover (saves on the caller's thread, as `store` returns)
+        self.mover = BlockMover(manager, self.codec, layout=self.layout, synchronous=True) if manager else None
+        self.chain = KeyChain(self.space)  # this sequence's keys, grown with its tokens, never rehashed
         self.device_kv_budget_bytes = device_kv_budget_bytes
         self.prefix = PrefixStats()
         self._num_stored_blocks = 0
@@ -218,6 +241,7 @@ class TieredCache(Cache):
         super().reset()
         self.prefix = PrefixStats()
         self._num_stored_blocks = 0
+        self.chain.reset()
 
     # -- the Cache hot path -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -275,12 +299,13 @@ class TieredCache(Cache):
         if input_ids.dim() > 1 and input_ids.shape[0] != 1:
             raise ValueError("prefix reuse works on one sequence per cache (batch size 1)")
         self.prefix = PrefixStats(prompt_tokens=len(token_ids))
+        self.chain.reset()  # a new sequence
         block_tokens = self.layout.block_tokens
         usable_blocks = (len(token_ids) - 1) // block_tokens
         if self.manager is None or usable_blocks == 0:
             return 0
-        keys = block_keys(self.space, token_ids[:usable_blocks * block_tokens])
-        match = self.manager.match(keys)
+        keys = self.chain.extend(token_ids, usable_blocks)
+        match = self.manager.match(keys, pin=True)  # kept from eviction until the restore has read them
         if not len(match):
             return 0
         capacity = len(token_ids) + reserve_tokens
@@ -310,31 +335,21 @@ class TieredCache(Cache):
                 layer.lazy_initialization(empty, empty)
             layer.reserve(like, capacity_tokens)
         copy = _BlockCopier([layer.buffers() for layer in self.layers])
-        tiers: list[str] = []
-        start = 0
-        with closing(self.manager.stream(match)) as blocks:  # DRAM: views of its slots, leased while copied
-            for block in blocks:
-                kv = self.codec.decode_verified(block.header, block.payload)
-                copy(kv, start)
-                start += kv.shape[3]
-                tiers.append(block.tier)
+        tiers = self.mover.restore(match, copy.at(self.layout.block_tokens)).tiers  # DRAM: read in its slots
         for layer in self.layers:
-            layer.set_length(start)
+            layer.set_length(len(tiers) * self.layout.block_tokens)
         return tiers
 
     def _fill_quantized(self, match) -> list[str]:
         """Quantized resident layers quantize whole groups as they take them (the rest stays exact):
         each layer takes the whole prefix at once."""
-        prefix = self.manager.read(match, lease=True)
-        try:
-            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
+        blocks = _Kept()
+        with self.mover.restoring(match, blocks) as restored:  # the blocks stay valid inside the `with`
             device = self._compute_device()
             for layer_idx, layer in enumerate(self.layers if blocks else []):
                 kv = [block[layer_idx].to(device=device, dtype=self.layout_dtype) for block in blocks]
                 layer.extend(torch.cat([b[0] for b in kv], dim=1)[None], torch.cat([b[1] for b in kv], dim=1)[None])
-        finally:
-            prefix.release()
-        return prefix.tiers
+        return restored.tiers
 
     @property
     def layout_dtype(self) -> torch.dtype:
@@ -357,12 +372,12 @@ class TieredCache(Cache):
         num_full = num_tokens // block_tokens
         if num_full <= self._num_stored_blocks:
             return 0
-        keys = block_keys(self.space, ids[:num_full * block_tokens])
-        items = [(keys[i], self.codec.encode(self.block_tensor(i), keys[i])) for i in range(self._num_stored_blocks, num_full)]
-        self.manager.put_many(items)
-        self.prefix.stored_blocks += len(items)
+        new = range(self._num_stored_blocks, num_full)
+        keys = self.chain.extend(ids, num_full)[new.start:]
+        self.mover.save(keys, [self.block_tensor(i) for i in new])
+        self.prefix.stored_blocks += len(new)
         self._num_stored_blocks = num_full
-        return len(items)
+        return len(new)
 
     def block_tensor(self, block_idx: int) -> torch.Tensor:
         """The KV of one block, [L, 2, H, T, D], on the CPU (for a codec)."""

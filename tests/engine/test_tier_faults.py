@@ -87,6 +87,7 @@ def test_dram_that_raises_comes_back_and_serves_again(tiny_model, tiny_prompts, 
             raise RuntimeError("a tier bug")
 
         monkeypatch.setattr(dram, "contains_many", bug)
+        monkeypatch.setattr(dram, "pin_many", bug)  # the engine's lookup pins what its load will read
         monkeypatch.setattr(dram, "reconnect", lambda: False)
         broken = _engine(tiny_model, manager)
         outputs = _steps(broken, tiny_prompts[2])  # recomputed: the tier is off

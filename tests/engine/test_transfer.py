@@ -102,11 +102,11 @@ def test_an_aborted_load_is_dropped_and_its_blocks_reused(tiny_model, tiny_promp
 
 def test_no_tier_io_on_the_step_thread_but_the_match(tiny_model, tiny_prompts, tmp_path):
     """Reads, writes and the write-back check run on the worker threads; the step thread only asks
-    `contains` once per tier at admission (the match)."""
+    once per tier at admission (the match, which pins what the load will read)."""
     manager = _manager(tiny_model, tmp_path)
     calls: list[tuple[str, str]] = []
     for tier in manager.tiers:
-        for name in ("get_many", "lease_many", "put_many", "contains_many"):
+        for name in ("get_many", "lease_many", "put_many", "contains_many", "pin_many"):
             if not hasattr(tier, name):
                 continue
             method = getattr(tier, name)
@@ -126,7 +126,7 @@ def test_no_tier_io_on_the_step_thread_but_the_match(tiny_model, tiny_prompts, t
         assert second.stats().prefix_hit_tokens_by_tier == {"dram": 32}
         step_thread = threading.current_thread().name
         on_step = {name for name, thread in calls if thread == step_thread}
-        assert on_step == {"contains_many"}
-        assert {name for name, _ in calls} == {"lease_many", "put_many", "contains_many"}
+        assert on_step == {"pin_many"}
+        assert {name for name, _ in calls} == {"lease_many", "put_many", "contains_many", "pin_many"}
     finally:
         manager.close()

@@ -49,7 +49,7 @@ def test_blocks_round_trip_through_the_side_stream_bit_exactly(tmp_path, dtype, 
     source.finish_save()
     source.wait_saves()
     assert source.take_stats()["saved_blocks"] == 8
-    spec = LoadSpec("r1", keys, list(range(40, 48)))
+    spec = LoadSpec("r1", keys, list(range(40, 48)), ["shm"] * 8)
     if mode == "async":
         target.start_loads([spec])
         target.shutdown()

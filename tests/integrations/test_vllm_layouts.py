@@ -193,7 +193,7 @@ def test_every_layout_round_trips_through_every_tier_bit_exactly(page, order, dt
     source.wait_saves()
     assert source.take_stats()["saved_blocks"] == 3
     untouched = _blocks(page, target_caches, [1, 3, 4])
-    target.start_loads([LoadSpec("r1", keys, [0, 2, 5])])
+    target.start_loads([LoadSpec("r1", keys, [0, 2, 5], [tier] * 3)])
     target.shutdown()  # drains the loader
     assert target.take_finished_loads() == {"r1"} and target.take_invalid_block_ids() == set()
     assert target.take_loaded_tiers() == {"r1": [tier] * 3}

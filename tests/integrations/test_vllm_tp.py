@@ -46,7 +46,7 @@ def test_a_block_is_a_hit_only_when_every_rank_holds_its_shard(manager):
     manager.put_many([(rank1[2], b"shard")])
     assert side.num_matched_tokens(request("r2", tokens), 0) == 3 * T
     assert SchedulerSide(SPACE, manager).num_matched_tokens(request("r3", tokens), 0) == 0  # one worker's keys
-    assert for_rank([LoadSpec("r1", keys[:2], [4, 5])], 1, WORLD) == [LoadSpec("r1", rank1[:2], [4, 5])]
+    assert for_rank([LoadSpec("r1", keys[:2], [4, 5], ["shm"] * 2)], 1, WORLD) == [LoadSpec("r1", rank1[:2], [4, 5], ["shm"] * 2)]
 
 
 def rank_worker(manager) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
@@ -69,7 +69,7 @@ def test_each_rank_saves_and_loads_its_own_shard_verified_against_its_key(manage
     dst.write_bytes(src.read_bytes())
     for rank, (source, source_caches) in enumerate(sources):
         target, target_caches = rank_worker(manager)
-        target.start_loads(for_rank([LoadSpec("r1", keys, [0, 4, 5])], rank, WORLD))
+        target.start_loads(for_rank([LoadSpec("r1", keys, [0, 4, 5], ["shm"] * 3)], rank, WORLD))
         target.shutdown()
         num_loaded = 3 if rank == 0 else 2
         assert target.take_finished_loads() == {"r1"}

@@ -76,7 +76,7 @@ def test_matched_blocks_are_loaded_and_the_rest_saved(manager):
     assert side.hit_tokens_by_tier("r1") == {"ssd": 3 * T}
     req.num_computed_tokens = 3 * T  # as vLLM sets it once the load is in
     records = side.build_records({"r1": 22 - 3 * T}, lambda req_id: [10, 11, 12, 13, 14, 15])
-    assert records.loads == [LoadSpec("r1", keys[:3], [10, 11, 12])]
+    assert records.loads == [LoadSpec("r1", keys[:3], [10, 11, 12], ["ssd"] * 3)]
     assert records.saves == [SaveSpec("r1", keys[3:5], [13, 14])]  # the loaded blocks are not written again
     assert side.build_records({}, None).loads == []  # records are handed over once
 
@@ -91,7 +91,7 @@ def test_device_hits_come_first_and_the_last_token_is_never_offered(manager):
     assert side.num_matched_tokens(req, 2 * T) == T  # vLLM's own cache holds 2 blocks: one more from the tiers
     side.after_alloc(req, [7, 8, 9, 6], T)
     records = side.build_records({}, None)
-    assert records.loads == [LoadSpec("r1", keys[2:3], [9])]
+    assert records.loads == [LoadSpec("r1", keys[2:3], [9], ["ssd"])]
 
 
 def test_a_failed_load_is_recomputed_and_saved_again(manager):

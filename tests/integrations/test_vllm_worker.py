@@ -74,7 +74,7 @@ def test_loads_write_verified_blocks_and_report_the_rest(manager, tmp_path, mode
 
     worker, target = new_worker(manager)
     untouched = blocks_of(target, [4, 5])
-    spec = LoadSpec("r1", keys, [3, 4, 5])
+    spec = LoadSpec("r1", keys, [3, 4, 5], ["shm"] * 3)  # where the scheduler found them
     if mode == "async":
         worker.start_loads([spec])
         worker.shutdown()  # drains the loader
@@ -111,7 +111,7 @@ def test_loads_from_dram_copy_straight_out_of_its_slots_and_end_every_lease(mode
     lease = dram.lease_many
     dram.lease_many = lambda ks: served.append(len(ks)) or lease(ks)
     worker, target = new_worker(manager)
-    spec = LoadSpec("r1", keys, [4, 5])
+    spec = LoadSpec("r1", keys, [4, 5], ["dram"] * 2)
     if mode == "async":
         worker.start_loads([spec])
         worker.shutdown()
@@ -125,3 +125,32 @@ def test_loads_from_dram_copy_straight_out_of_its_slots_and_end_every_lease(mode
     assert torch.equal(blocks_of(target, [4, 5]), blocks_of(caches, [0, 1]))
     source.shutdown()
     manager.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "layerwise"])
+def test_a_load_reads_where_the_scheduler_found_each_block_without_looking_it_up(manager, mode):
+    """One lookup per SSD/shm block per load — the scheduler's: the worker reads at the tier the
+    LoadSpec names (no contains, no index check), on the tier's one read pool (not one per batch)."""
+    source, caches = new_worker(manager)
+    keys = block_keys(SPACE, list(range(3 * T)))
+    save(source, [SaveSpec("r0", keys, [0, 1, 2])])
+    shm = manager.tiers[0]
+    looked_up = []
+    holds = shm._holds
+    shm._holds = lambda key: looked_up.append(key) or holds(key)
+    pools = []
+    for n in range(2):
+        worker, target = new_worker(manager)
+        spec = LoadSpec(f"r{n + 1}", keys, [3, 4, 5], ["shm"] * 3)
+        if mode == "async":
+            worker.start_loads([spec])
+        else:
+            worker.start_layerwise([spec])
+            for name in NAMES:
+                worker.wait_layer(name)
+            worker.finish_layerwise()
+        worker.shutdown()
+        assert torch.equal(blocks_of(target, [3, 4, 5]), blocks_of(caches, [0, 1, 2]))
+        pools.append(shm._readers)
+    assert looked_up == [] and pools[0] is pools[1] is not None
+    source.shutdown()

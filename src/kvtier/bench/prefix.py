@@ -148,7 +148,7 @@ def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
 
 
 def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
-    """The engine's restore of the same prefix: `KVTransfer` streams the verified blocks from the tier
+    """The engine's restore of the same prefix: `KVTransfer` (the block mover) streams the verified blocks from the tier
     into a paged `RawArena` (allocated once and zeroed, as the engine's is). Returns a function that
     restores once and gives its seconds, after checking every block came and the first holds exactly
     what the tier stored."""
@@ -163,7 +163,7 @@ def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
 
     def restore() -> float:
         start = time.perf_counter()
-        transfer.load(LoadJob("bench", manager.match(keys), list(range(len(keys)))))
+        transfer.load(LoadJob("bench", manager.match(keys, pin=True), list(range(len(keys)))))
         (done,) = transfer.poll()
         seconds = time.perf_counter() - start
         if done.num_written != len(keys):
@@ -213,13 +213,13 @@ def raw_pool_get(manager, loaded, ids: torch.Tensor, block_tokens: int):
     tier = manager.tiers[0]
     names = tier._names(_prefix_keys(loaded, ids, block_tokens))
     backend = tier.backend
-    reads = [backend.get]
-    if hasattr(backend, "lease"):
-        def lease_and_release(names):
-            leased = backend.lease(names)
-            backend.release([item[1] for item in leased if item is not None])
-            return leased
-        reads.append(lease_and_release)
+
+    def lease_and_release(names):
+        leased = backend.lease(names)
+        backend.release([item[1] for item in leased if item is not None and item[1] is not None])
+        return leased
+
+    reads = [backend.get, lease_and_release]  # Redis leases copies: the same MGET
 
     def get() -> float:
         best = float("inf")

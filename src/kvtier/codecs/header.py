@@ -88,18 +88,14 @@ def pack(header: Header, key: bytes) -> bytes:
     return fields + _CHECK.pack(_header_checksum(key, fields))
 
 
-def verify(buf: bytes | memoryview, key: bytes) -> Header:
+def verify(buf: bytes | memoryview, key: bytes, *, payload: bool = True) -> Header:
     """Check that `buf` is the intact block stored under `key` (header, key binding and payload
-    checksum) without decoding it; raise CorruptBlockError (ForeignBlockError: another key's block)."""
-    hdr = verify_header(buf, key)
-    if xxhash.xxh3_64_intdigest(memoryview(buf).cast("B")[HEADER_BYTES:]) != hdr.payload_checksum:
-        raise CorruptBlockError("payload checksum mismatch")
-    return hdr
+    checksum) without decoding it; raise CorruptBlockError (ForeignBlockError: another key's block).
 
-
-def verify_header(buf: bytes | memoryview, key: bytes) -> Header:
-    """`verify` without the payload checksum: the header is intact, bound to `key`, and its lengths
-    agree. Enough for a block that never left this process (a DRAM slot of its own)."""
+    `payload=False` checks the key-bound header only (key tag, header checksum, lengths), not the
+    payload hash: for a block that never left this process's memory (a DRAM slot it wrote itself),
+    as trusted as the device KV it came from. Every block that crossed a process or a medium (`shm:`,
+    SSD, pools) is checked with `payload=True`."""
     view = memoryview(buf).cast("B")
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block truncated: {len(view)} bytes, the header alone is {HEADER_BYTES}")
@@ -121,5 +117,7 @@ def verify_header(buf: bytes | memoryview, key: bytes) -> Header:
     shape, payload_bytes, payload_sum = tuple(rest[:5]), rest[6], rest[7]
     if len(view) - HEADER_BYTES != payload_bytes:
         raise CorruptBlockError(f"payload is {len(view) - HEADER_BYTES} bytes, header says {payload_bytes}")
+    if payload and xxhash.xxh3_64_intdigest(view[HEADER_BYTES:]) != payload_sum:
+        raise CorruptBlockError("payload checksum mismatch")
     codec = _ID_TO_CODEC[codec_id] + (ZSTD_SUFFIX if flags & FLAG_ZSTD else "")
     return Header(codec, _ID_TO_DTYPE[dtype_id], shape, payload_bytes, payload_sum, flags, group_tokens, group_size)

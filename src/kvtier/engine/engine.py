@@ -396,7 +396,7 @@ class LLMEngine:
     def _match_tiers(self, keys: list[bytes]):
         start = time.perf_counter()
         try:
-            return self.manager.match(keys)
+            return self.manager.match(keys, pin=True)  # pinned until the transfer worker has read them
         finally:
             self.step_tier_io_seconds += time.perf_counter() - start
 

@@ -1,20 +1,21 @@
-"""`KVTransfer`: the engine's tier I/O, off the step thread.
+"""`KVTransfer`: the engine's tier I/O, off the step thread — a thin user of `kvtier.transfer.BlockMover`.
 
-The scheduler decides *what* moves (it matches a prompt's blocks in the tiers, allocates device
-blocks for the hits and parks the sequence in WAITING_FOR_KV, as vLLM's scheduler does with a KV
-connector); this worker does the moving:
-- loads: tier -> verify (once, by the manager: the block its key names) -> decode -> the device
-  block, on the worker. The manager streams the blocks, each verified just before it is copied, so
-  the copy reads it from cache (about one memcpy per block, not a checksum pass and then a copy);
-  DRAM blocks are read in place (leased slots), the device blocks are the waiting sequence's own
-  (no forward reads them, and the scheduler frees them only once the load has returned), and on
-  CUDA the copies go on a side stream. The step thread only polls finished loads; a block is
-  registered in the device prefix cache once its KV is really there. An arena whose block writes
-  touch state a forward uses (the quantized formats) gets the decoded blocks copied on the step
-  thread instead, before the next forward (`KVTransfer(write_block=None)`);
+The scheduler decides *what* moves (it matches a prompt's blocks in the tiers — pinning them there
+until the load has read them — allocates device blocks for the hits and parks the sequence in
+WAITING_FOR_KV, as vLLM's scheduler does with a KV connector); the mover does the moving, and the
+engine supplies only the destination write:
+- loads (this worker's thread): `BlockMover.restore(match, sink)` streams the blocks from where the
+  match found them, each verified just before it is decoded and written into its device block by
+  `write_block` (DRAM blocks read in place, leased slots; the device blocks are the waiting sequence's
+  own: no forward reads them, and the scheduler frees them only once the load has returned; on CUDA
+  the copies go on a side stream). The step thread only polls finished loads; a block is registered
+  in the device prefix cache once its KV is really there. An arena whose block writes touch state a
+  forward uses (the quantized formats) gets the decoded blocks back, still leased, for the step
+  thread to copy before the next forward (`KVTransfer(write_block=None)`);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
-  step); the tier check ("does a tier still hold it?"), encode (checksum) and the manager's put
-  run on the worker. Loads go before stores: a waiting request never queues behind write-back.
+  step); the mover's save queue does the tier check ("does a tier still hold it?"), the encode
+  (checksum) and the manager's put on its own thread, so a waiting request never queues behind
+  write-back.
 Records crossing the thread carry ids, keys and CPU tensors only. A load that fails (a dead pool,
 a bad block) comes back short: the sequence computes the rest.
 """
@@ -23,16 +24,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import closing, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.codecs import Codec
 from kvtier.tiers.manager import PrefixMatch, TierManager
+from kvtier.transfer import BlockMover
 
 log = logging.getLogger(__name__)
 
@@ -55,36 +56,48 @@ class LoadDone:
 
 
 @dataclass(slots=True)
-class StoreJob:
-    items: list[tuple[bytes, torch.Tensor]]  # (key, block copied out of the arena)
-    skip_held: bool                          # first ask the tiers; write only what none holds
-
-
-@dataclass(slots=True)
 class TransferStats:
     num_loads: int = 0
     num_blocks_loaded: int = 0
     num_blocks_written: int = 0
     load_seconds: float = 0.0       # on the worker
-    store_seconds: float = 0.0      # on the worker
+    store_seconds: float = 0.0      # on the save thread
     errors: int = 0
 
 
+class _DeviceBlocks:
+    """The engine's sink: block i of the load goes into device block `block_ids[i]`."""
+
+    def __init__(self, write_block: Callable[[int, torch.Tensor], None], block_ids: list[int]) -> None:
+        self.write_block = write_block
+        self.block_ids = block_ids
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.write_block(self.block_ids[index], block)
+
+
+class _Kept(list):
+    """The sink of arenas written on the step thread: the decoded blocks, kept (still leased)."""
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.append(block)
+
+
 class KVTransfer:
-    """One worker thread between the engine and the tier manager. `write_block(block_id, kv)` puts a
-    decoded block into its device block (None: loads come back decoded, for the step thread to copy).
-    `synchronous=True` runs every job at submission (tests, debugging); results are the same, only
-    when they happen differs."""
+    """One load thread (and the mover's save thread) between the engine and the tier manager.
+    `write_block(block_id, kv)` puts a decoded block into its device block (None: loads come back
+    decoded, for the step thread to copy). `synchronous=True` runs every job at submission (tests,
+    debugging); results are the same, only when they happen differs."""
 
     def __init__(self, manager: TierManager, codec: Codec, *,
                  write_block: Callable[[int, torch.Tensor], None] | None = None, synchronous: bool = False) -> None:
         self.manager = manager
         self.codec = codec
         self.write_block = write_block
+        self.mover = BlockMover(manager, codec, synchronous=synchronous)
         self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
-        self.stats = TransferStats()
+        self._errors = 0
         self._loads: deque[LoadJob] = deque()
-        self._stores: deque[StoreJob] = deque()
         self._done: deque[LoadDone] = deque()
         self._cond = threading.Condition()
         self._busy = 0
@@ -94,13 +107,24 @@ class KVTransfer:
             self._thread = threading.Thread(target=self._work, name="kvtier-transfer", daemon=True)
             self._thread.start()
 
+    @property
+    def stats(self) -> TransferStats:
+        """A snapshot (the engine's stats and metrics read these names)."""
+        m = self.mover.stats
+        return TransferStats(m.num_restores, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
+                             m.save_seconds, m.errors + self._errors)
+
     # -- the step thread ---------------------------------------------------------------------------
     def load(self, job: LoadJob) -> None:
-        self._submit(self._loads, job)
+        with self._cond:
+            self._loads.append(job)
+            self._cond.notify_all()
+        if self._thread is None:
+            self._run_next()
 
     def store(self, items: list[tuple[bytes, torch.Tensor]], *, skip_held: bool = False) -> None:
         if items:
-            self._submit(self._stores, StoreJob(items, skip_held))
+            self.mover.save([key for key, _ in items], [block for _, block in items], skip_held=skip_held)
 
     def poll(self, timeout_s: float = 0.0) -> list[LoadDone]:
         """Finished loads; waits up to `timeout_s` for the first one when none is ready."""
@@ -113,99 +137,58 @@ class KVTransfer:
     def wait(self) -> None:
         """Until every submitted job has run, and the manager's own lower-tier writes have landed."""
         with self._cond:
-            self._cond.wait_for(lambda: not (self._loads or self._stores or self._busy))
+            self._cond.wait_for(lambda: not (self._loads or self._busy))
+        self.mover.wait_saves()
         self.manager.flush()
 
     def close(self) -> None:
+        self.wait()
         if self._thread is not None:
-            self.wait()
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
             self._thread.join(timeout=10)
             self._thread = None
-
-    def _submit(self, queue: deque, job) -> None:
-        with self._cond:
-            queue.append(job)
-            self._cond.notify_all()
-        if self._thread is None:
-            self._run_next()
+        self.mover.close()
 
     # -- the worker --------------------------------------------------------------------------------
     def _work(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._loads or self._stores or self._closed)
-                if self._closed and not (self._loads or self._stores):
+                self._cond.wait_for(lambda: self._loads or self._closed)
+                if self._closed and not self._loads:
                     return
             self._run_next()
 
     def _run_next(self) -> None:
         with self._cond:
-            queue = self._loads if self._loads else self._stores
-            if not queue:
+            if not self._loads:
                 return
-            job = queue.popleft()
+            job = self._loads.popleft()
             self._busy += 1
-        done = None
         try:
-            if isinstance(job, LoadJob):
-                done = self._run_load(job)
-            else:
-                self._run_store(job)
+            done = self._write_load(job) if self.write_block is not None else self._decode_load(job)
         except Exception:  # noqa: BLE001 - a failed transfer costs a recompute, never the engine
             log.exception("kv transfer failed")
-            self.stats.errors += 1
-            if isinstance(job, LoadJob):
-                done = LoadDone(job.request_id, job.block_ids, [])
-        finally:
-            with self._cond:
-                if done is not None:
-                    self._done.append(done)
-                self._busy -= 1
-                self._cond.notify_all()
-
-    def _run_load(self, job: LoadJob) -> LoadDone:
-        start = time.perf_counter()
-        done = self._write_load(job) if self.write_block is not None else self._decode_load(job)
-        self.stats.num_loads += 1
-        self.stats.num_blocks_loaded += len(done.tiers)
-        self.stats.load_seconds += time.perf_counter() - start
-        return done
+            self._errors += 1
+            done = LoadDone(job.request_id, job.block_ids, [])
+        with self._cond:
+            self._done.append(done)
+            self._busy -= 1
+            self._cond.notify_all()
 
     def _write_load(self, job: LoadJob) -> LoadDone:
         """Each block verified (by the stream), decoded and written into its device block in turn."""
-        tiers: list[str] = []
         on_side_stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        try:
-            with closing(self.manager.stream(job.match)) as blocks, on_side_stream:
-                for block, block_id in zip(blocks, job.block_ids):
-                    self.write_block(block_id, self.codec.decode_verified(block.header, block.payload))
-                    tiers.append(block.tier)
-        except Exception:  # noqa: BLE001 - the blocks written so far stand; the rest is computed
-            log.exception("loading a prefix into the device failed after %d blocks", len(tiers))
-            self.stats.errors += 1
+        with on_side_stream:
+            restored = self.mover.restore(job.match, _DeviceBlocks(self.write_block, job.block_ids))
         if self._stream is not None:
             self._stream.synchronize()  # the KV is on the device before the sequence may run
-        return LoadDone(job.request_id, job.block_ids, tiers, num_written=len(tiers))
+        return LoadDone(job.request_id, job.block_ids, restored.tiers, num_written=len(restored))
 
     def _decode_load(self, job: LoadJob) -> LoadDone:
-        prefix = self.manager.read(job.match, lease=True)  # DRAM blocks stay in place until copied
-        try:
-            blocks = [self.codec.decode_verified(hdr, buf) for hdr, buf in zip(prefix.headers, prefix.payloads)]
-        except Exception:
-            prefix.release()
-            raise
-        return LoadDone(job.request_id, job.block_ids, prefix.tiers, blocks=blocks, release=prefix.release)
-
-    def _run_store(self, job: StoreJob) -> None:
-        start = time.perf_counter()
-        items = job.items
-        if job.skip_held:
-            held = self.manager.contains_many([key for key, _ in items])
-            items = [item for item, is_held in zip(items, held) if not is_held]
-        if items:
-            self.manager.put_many([(key, self.codec.encode(block, key)) for key, block in items])
-            self.stats.num_blocks_written += len(items)
-        self.stats.store_seconds += time.perf_counter() - start
+        """The decoded blocks, still leased (DRAM blocks stay in place), for the step thread to copy."""
+        kept = _Kept()
+        held = ExitStack()
+        restored = held.enter_context(self.mover.restoring(job.match, kept))
+        return LoadDone(job.request_id, job.block_ids, restored.tiers, blocks=list(kept), release=held.close)

@@ -28,23 +28,36 @@ class Tier(Protocol):
     then skips that side until `reconnect()`, its background probe, succeeds.
 
     Threads: the manager calls a tier from at most two threads at once, one on the read side
-    (`contains_many`, `get_many`, `delete`) and one on the write side (`contains_many`, `put_many`),
-    so that a slow write never holds up a read; a tier must allow that pair. `reconnect()` runs with
-    the side(s) that are down locked out. `used_bytes` / `num_blocks` may be called from any thread."""
+    (`contains_many`, `pin_many`, `get_many`, `lease_many`, `delete`) and one on the write side
+    (`contains_many`, `put_many`, `placed_below`), so that a slow write never holds up a read; a tier
+    must allow that pair. `release` / `unpin` may come from either side. `reconnect()` runs with the
+    side(s) that are down locked out. `used_bytes` / `num_blocks` may be called from any thread.
+
+    Look up once, pin, read there: `pin_many` is the lookup a load follows (vLLM's `prepare_load`):
+    each held block is kept from this tier's eviction until `unpin`; `get_many` / `lease_many` then
+    read a block where it is, without looking it up again (a miss is just None). Every tier leases:
+    DRAM lends its slots, the SSD and Mooncake their reused read buffers, Redis copies; pools cannot
+    pin (the service evicts), so their `pin_many` is `contains_many`."""
 
     name: str                      # "dram", "ssd", "mooncake", "redis"
     capacity_bytes: int | None     # None: the backend owns eviction (pools)
+    in_process: bool               # blocks never leave this process's memory: checked by their header only
     stats: TierStats
     health: TierHealth             # readable / writable, transitions, retry back-off
 
     def contains_many(self, keys: list[bytes]) -> list[bool]: ...
+    def pin_many(self, keys: list[bytes]) -> list[bool]: ...             # contains, and held until unpin
+    def unpin(self, keys: list[bytes]) -> None: ...                       # one pin of each (found) key
     def get_many(self, keys: list[bytes]) -> list[bytes | None]: ...        # None = miss
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]: ...  # evicted, LRU first
+    def lease_many(self, keys: list[bytes]) -> list[bytes | memoryview | None]: ...  # read-only, valid until release
+    def release(self, keys: list[bytes]) -> None: ...                     # one lease of each leased key
+    def num_leased(self) -> int: ...
+    # Evicted blocks, LRU first: (key, data), or (key, None) for a block `placed_below` said a lower
+    # tier holds (nothing to demote, nothing copied out).
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]: ...
+    def placed_below(self, keys: list[bytes]) -> None: ...               # write-through landed below
     def delete(self, key: bytes) -> bool: ...
     def used_bytes(self) -> int: ...
     def num_blocks(self) -> int: ...
     def reconnect(self) -> bool: ...  # probe; on success `health.recover()`; returns `health.healthy`
     def close(self) -> None: ...
-    # A tier that can hand out its own memory also offers `lease_many(keys)` -> read-only views, valid
-    # until `release(keys)`, and `num_leased()`: DRAM its slots (pinned), the SSD and Mooncake their
-    # reused read buffers; the manager uses them for `read(match, lease=True)` and `stream`.

@@ -73,6 +73,7 @@ def _key_of(path: Path) -> bytes | None:
 
 class DiskTier:
     name = "ssd"
+    in_process = False  # the blocks crossed a medium (a file, maybe another process's): full payload proof
 
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
@@ -83,6 +84,8 @@ class DiskTier:
         self._lru = LRUIndex(capacity_bytes)
         self._index_lock = threading.Lock()
         self._in_flux: set[bytes] = set()
+        self._pins: dict[bytes, int] = {}  # blocks a load will read (`pin_many`): never evicted meanwhile
+        self._readers: ThreadPoolExecutor | None = None  # batched reads, started on first use
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
         self._leases = Leases()  # read buffers lent out, by key
@@ -140,6 +143,29 @@ class DiskTier:
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [self._holds(key) for key in keys]
 
+    def pin_many(self, keys: list[bytes]) -> list[bool]:
+        """`contains_many`, each held block kept from eviction until `unpin` (the file may still go
+        behind our back, another process's eviction: the read then misses and falls through)."""
+        held = [self._holds(key) for key in keys]
+        with self._index_lock:
+            for i, key in enumerate(keys):
+                if held[i] and key in self._lru:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+                else:
+                    held[i] = False
+        return held
+
+    def unpin(self, keys: list[bytes]) -> None:
+        with self._index_lock:
+            for key in keys:
+                if key in self._pins:
+                    self._pins[key] -= 1
+                    if not self._pins[key]:
+                        del self._pins[key]
+
+    def placed_below(self, keys: list[bytes]) -> None:
+        pass  # the SSD evicts by deleting: it never hands blocks back for demotion
+
     def _holds(self, key: bytes) -> bool:
         with self._index_lock:
             if key in self._in_flux:
@@ -167,7 +193,7 @@ class DiskTier:
 
     def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]] | None:
         """Index `key` (under the index lock); its victims are in flux until `_evict` removed their files."""
-        victims = self._lru.insert(key, size, pinned=self._in_flux)
+        victims = self._lru.insert(key, size, pinned=self._in_flux | self._pins.keys() if self._pins else self._in_flux)
         self._in_flux.update(victim for victim, _ in victims or [])
         return victims
 
@@ -185,27 +211,23 @@ class DiskTier:
         except OSError:
             return None
 
-    def _read_held(self, keys: list[bytes], read) -> tuple[list[bool], list]:
-        """(which keys the index holds, `read(path)` of each held one, else None). Batched reads run
-        READ_THREADS at a time: an SSD serves several outstanding reads faster than one at a time
-        (queue depth), and file reads release the GIL."""
-        present = [self._holds(key) for key in keys]
-        paths = [self._path(key) for key, held in zip(keys, present) if held]
-        if len(paths) > 1:
-            with ThreadPoolExecutor(min(READ_THREADS, len(paths))) as pool:
-                results = iter(list(pool.map(read, paths)))
-        else:
-            results = iter([read(p) for p in paths])
-        return present, [next(results) if held else None for held in present]
+    def _read_all(self, keys: list[bytes], read) -> list:
+        """`read(path)` of each key's file, None where it cannot be read. No index lookup first: a load
+        reads where its lookup (`pin_many` / `contains_many`, maybe another process's) found the block,
+        and a missing file is just a miss. Batched reads run READ_THREADS at a time on one pool kept
+        for the tier's life: an SSD serves several outstanding reads faster than one at a time (queue
+        depth), and file reads release the GIL."""
+        paths = [self._path(key) for key in keys]
+        if len(paths) < 2:
+            return [read(path) for path in paths]
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"kvtier-{self.name}-read")
+        return list(self._readers.map(read, paths))
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         start = time.perf_counter()
-        present, out = self._read_held(keys, self._read)
-        with self._index_lock:
-            for key, data in zip(keys, out):
-                if data is not None:
-                    self._lru.touch(key)
-        self._after_read(keys, present, out)
+        out = self._read_all(keys, self._read)
+        self._after_read(keys, out)
         self.stats.read_seconds += time.perf_counter() - start
         return out
 
@@ -213,18 +235,15 @@ class DiskTier:
         """Like `get_many`, each file read straight into a pooled buffer (O_DIRECT where possible);
         read-only views, valid until `release(keys)` gives the buffers back."""
         start = time.perf_counter()
-        present, read = self._read_held(keys, self._read_into)
         out: list[memoryview | None] = []
-        with self._index_lock:
-            for key, got in zip(keys, read):
-                if got is None:
-                    out.append(None)
-                    continue
-                buf, size = got
-                self._leases.add(key, buf)
-                self._lru.touch(key)
-                out.append(memoryview(buf)[:size].toreadonly())
-        self._after_read(keys, present, out)
+        for key, got in zip(keys, self._read_all(keys, self._read_into)):
+            if got is None:
+                out.append(None)
+                continue
+            buf, size = got
+            self._leases.add(key, buf)
+            out.append(memoryview(buf)[:size].toreadonly())
+        self._after_read(keys, out)
         self.stats.read_seconds += time.perf_counter() - start
         return out
 
@@ -271,12 +290,28 @@ class DiskTier:
                 log.info("ssd tier %s: no O_DIRECT on this file system; buffered reads", self.directory)
         return os.open(path, os.O_RDONLY)
 
-    def _after_read(self, keys: list[bytes], present: list[bool], out: list) -> None:
-        """Bookkeeping shared by both reads: stamps, lost files, counters."""
+    def _after_read(self, keys: list[bytes], out: list) -> None:
+        """Bookkeeping shared by both reads: recency (a block another process wrote is adopted now,
+        its size known from the read), stamps, lost files, counters."""
         hit_keys = [key for key, data in zip(keys, out) if data is not None]
+        adopt = []
+        with self._index_lock:
+            for key, data in zip(keys, out):
+                if data is None:
+                    continue
+                if key in self._lru:
+                    self._lru.touch(key)
+                elif key not in self._in_flux:
+                    adopt.append((key, len(data)))
+        if adopt and self.health.writable:  # as `_adopt`: a disk that takes no writes adopts nothing
+            for key, size in adopt:
+                with self._index_lock:  # the file checked under the lock: an eviction of it is in flux or done
+                    fresh = key not in self._in_flux and key not in self._lru and self._path(key).exists()
+                    victims = (self._insert(key, size) or []) if fresh else []
+                self._evict(victims)
         self._stamp([self._path(key) for key in hit_keys])
-        for key, held, data in zip(keys, present, out):
-            if held and data is None:
+        for key, data in zip(keys, out):
+            if data is None:
                 self._lost(key)
         self.stats.hits += len(hit_keys)
         self.stats.misses += len(keys) - len(hit_keys)
@@ -408,6 +443,8 @@ class DiskTier:
         return len(self._lru)
 
     def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
 
 

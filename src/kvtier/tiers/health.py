@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -111,3 +112,57 @@ class TierHealth:
 
     def retry_due(self, now: float) -> bool:
         return not self.healthy and now >= self.retry_at
+
+
+class HealthProber:
+    """The one retry thread of a tier stack (`kvtier-retry`): sleeps until the next probe is due
+    (woken by any outage) and probes each tier that is down (`reconnect()`) holding the lock of each
+    side that is down, so the probe may rebuild what that side uses; a failed probe doubles the wait.
+    Retries run whether or not requests arrive. `locks(tier) -> (read lock, write lock)`."""
+
+    def __init__(self, tiers: list, locks) -> None:
+        self.tiers = tiers
+        self._locks = locks
+        self._closed = False
+        self._wake = threading.Event()  # set by an outage (TierHealth.watch) and by close()
+        for tier in tiers:
+            tier.health.watch(self._wake)
+        self._thread = threading.Thread(target=self._loop, name="kvtier-retry", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self._wait_s())
+            self._wake.clear()
+            for tier in self.tiers:
+                if self._closed:
+                    return
+                if tier.health.retry_due(time.monotonic()):
+                    self.probe(tier)
+
+    def _wait_s(self) -> float | None:
+        """Until the next probe is due; None (until woken) while every tier is up."""
+        now = time.monotonic()
+        due = [tier.health.retry_at - now for tier in self.tiers if not tier.health.healthy]
+        return max(0.0, min(due)) if due else None
+
+    def probe(self, tier) -> None:
+        health = tier.health
+        read_lock, write_lock = self._locks(tier)
+        with ExitStack() as held:  # the lock of each side that is down: reconnect() may rebuild it
+            if not health.readable:
+                held.enter_context(read_lock)
+            held.enter_context(write_lock)
+            try:
+                tier.reconnect()  # on success the tier calls health.recover()
+            except Exception:  # noqa: BLE001 - a tier's probe must not kill the retry thread
+                log.exception("%s tier: reconnect raised", tier.name)
+        if not health.healthy:
+            health.probe_failed()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)  # a probe in flight ends within the backend's timeouts
+        for tier in self.tiers:
+            tier.health.unwatch(self._wake)

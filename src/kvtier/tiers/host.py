@@ -7,7 +7,8 @@ same time and neither waits longer than one block copy.
 
 Zero-copy reads: `lease_many(keys)` hands out read-only views of the slots themselves and pins
 them until `release(keys)`, so the reader verifies and decodes straight from the arena and copies
-once, into its destination. A pinned slot is never evicted nor reused: a put that finds every slot
+once, into its destination. `pin_many(keys)` pins the slots a load will read (the lookup a load follows)
+until `unpin(keys)`. A pinned slot is never evicted nor reused: a put that finds every slot
 pinned is dropped (counted), and a key deleted while leased frees its slot at its last release.
 
 A block larger than a slot is the caller's bug for that block: it is counted as an error and
@@ -26,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify_header
+from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify
 from kvtier.lru import LRUIndex
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def _header_matches(buf, key: bytes) -> bool:
     try:
-        verify_header(buf, key)
+        verify(buf, key, payload=False)  # its own slot: the key-bound header
     except CorruptBlockError:
         return False
     return True
@@ -45,6 +46,7 @@ def _header_matches(buf, key: bytes) -> bool:
 
 class HostTier:
     name = "dram"
+    in_process = True  # its slots never leave this process: blocks are checked by their key-bound header
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
@@ -65,12 +67,38 @@ class HostTier:
         self._num_oversize = 0
         self._slot_pins = np.zeros(self.num_slots, dtype=np.int64)
         self._leases = Leases()  # slots leased out, by key, not yet released
+        self._pins = Leases()    # slots pinned by a lookup a load will follow (`pin_many`), by key
+        self._below = np.zeros(self.num_slots, dtype=bool)  # a lower tier holds the slot's block too
         self._orphans: set[int] = set()             # pinned slots whose key was deleted meanwhile
         self.num_dropped_puts = 0                   # every slot pinned: nothing to evict
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
             return [key in self._key_to_slot for key in keys]
+
+    def pin_many(self, keys: list[bytes]) -> list[bool]:
+        """`contains_many`, each held block's slot pinned (never evicted nor reused) until `unpin`."""
+        with self._lock:
+            held = []
+            for key in keys:
+                slot = self._key_to_slot.get(key)
+                if slot is not None:
+                    self._slot_pins[slot] += 1
+                    self._pins.add(key, slot)
+                held.append(slot is not None)
+            return held
+
+    def unpin(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._unpin_slots(self._pins.end(keys))
+
+    def placed_below(self, keys: list[bytes]) -> None:
+        """A lower tier holds these blocks now: evicting them copies nothing out (no demotion)."""
+        with self._lock:
+            for key in keys:
+                slot = self._key_to_slot.get(key)
+                if slot is not None:
+                    self._below[slot] = True
 
     def _slot(self, slot: int) -> np.ndarray:
         offset = slot * self.slot_bytes
@@ -115,23 +143,26 @@ class HostTier:
     def release(self, keys: list[bytes]) -> None:
         """End the leases `lease_many` gave out for `keys` (one each): their slots may move again."""
         with self._lock:
-            for slot in self._leases.end(keys):
-                self._slot_pins[slot] -= 1
-                if self._slot_pins[slot] == 0 and slot in self._orphans:
-                    self._orphans.discard(slot)
-                    self._free_slots.append(slot)
-                    self._lru.capacity = self.num_slots - len(self._orphans)
+            self._unpin_slots(self._leases.end(keys))
+
+    def _unpin_slots(self, slots: list[int]) -> None:
+        for slot in slots:
+            self._slot_pins[slot] -= 1
+            if self._slot_pins[slot] == 0 and slot in self._orphans:
+                self._orphans.discard(slot)
+                self._free_slots.append(slot)
+                self._lru.capacity = self.num_slots - len(self._orphans)
 
     def num_leased(self) -> int:
-        return int(np.count_nonzero(self._slot_pins))
+        return len(self._leases)
 
     # -- resident blocks (engine/offload.py: the live KV of a sequence longer than the device) -------
-    def pin(self, key: bytes, data: bytes | None) -> tuple[int | None, list[tuple[bytes, bytes]]]:
+    def pin_resident(self, key: bytes, data: bytes | None) -> tuple[int | None, list[tuple[bytes, bytes | None]]]:
         """Lease `key`'s slot for as long as a running sequence needs it (`release([key])` ends it):
         the block already here is checked by its key-bound header (it never left this process); one
         that is not is stored from `data` first. Returns (slot or None when it cannot be held: not here
         and no data, bad header, oversize, every slot leased), and the blocks evicted to make room."""
-        evicted: list[tuple[bytes, bytes]] = []
+        evicted: list[tuple[bytes, bytes | None]] = []
         with self._lock:
             slot = self._key_to_slot.get(key)
             if slot is not None and not _header_matches(self._slot(slot), key):
@@ -157,13 +188,9 @@ class HostTier:
             self._leases.add(key, slot)
             return slot, evicted
 
-    def num_pinnable_slots(self) -> int:
-        """Slots no lease holds: what `pin` can still hold at once."""
-        return self.num_slots - self.num_leased() - len(self._orphans)
-
     def slot_payloads(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """`[num_slots, *shape]` typed view of every slot's payload (after the 64-byte header): a pinned
-        slot's block is row `slot`. Read-only use: only `pin`/`put_many` write slots."""
+        slot's block is row `slot`. Read-only use: only `pin_resident`/`put_many` write slots."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.slot_bytes % itemsize or HEADER_BYTES % itemsize:
             raise ValueError(f"slots of {self.slot_bytes} B do not align to {dtype}")
@@ -174,10 +201,11 @@ class HostTier:
         rows = self._arena.view(dtype).view(self.num_slots, per_slot)
         return rows[:, HEADER_BYTES // itemsize:HEADER_BYTES // itemsize + numel].unflatten(1, shape)
 
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """Store blocks; returns the evicted (key, data), least recently used first."""
+    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]:
+        """Store blocks; returns the evicted, least recently used first: (key, data), or (key, None)
+        for a block a lower tier holds (`placed_below`): nothing copied out for it."""
         start = time.perf_counter()
-        evicted: list[tuple[bytes, bytes]] = []
+        evicted: list[tuple[bytes, bytes | None]] = []
         for key, data in items:
             if len(data) > self.slot_bytes:
                 self._oversize(len(data))
@@ -190,21 +218,22 @@ class HostTier:
         self.stats.write_seconds += time.perf_counter() - start
         return evicted
 
-    def _put(self, key: bytes, data: bytes) -> list[tuple[bytes, bytes]]:
+    def _put(self, key: bytes, data: bytes) -> list[tuple[bytes, bytes | None]]:
         evicted = []
-        victims = self._lru.insert(key, 1, pinned=self._leases.keys())
+        victims = self._lru.insert(key, 1, pinned=self._leases.keys() | self._pins.keys())
         if victims is None:  # every slot is leased out
             self.num_dropped_puts += 1
             return evicted
         for victim, _ in victims:
             slot = self._key_to_slot.pop(victim)
-            evicted.append((victim, self._read(slot)))
+            evicted.append((victim, None if self._below[slot] else self._read(slot)))
             self._free_slots.append(slot)
             self.stats.evictions += 1
         slot = self._free_slots.pop()
         offset = slot * self.slot_bytes
         self._arena_np[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._slot_len[slot] = len(data)
+        self._below[slot] = False
         self._key_to_slot[key] = slot
         self.stats.puts += 1
         self.stats.bytes_written += len(data)

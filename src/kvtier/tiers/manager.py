@@ -1,48 +1,57 @@
-"""The tier stack: lookup across tiers, verified reads, promotion, write-through and demotion.
+"""The tier stack: lookup, verified reads, write-back, health — in three parts.
 
-Tiers are ordered top (fastest) first. `put_many` writes the top tier synchronously and the
-lower tiers on one worker thread (write-through, so a second process on the same SSD or pool sees
-the blocks); blocks the top tier evicts are demoted to the next tier. Reads are batched per tier.
-Every block read is checked with `codecs.header.verify(data, key)` — intact, and the block its key
-names: a corrupt or substituted block is deleted, counted, and ends the prefix there — the caller
-recomputes from that point.
+- Lookup and read (this module): `match` asks the tiers top-down, each only for the keys the tiers
+  above lack, and may pin what it found (kept from eviction until the load completes: vLLM's
+  `prepare_load` contract); `locate` takes the record of a lookup made elsewhere (another process).
+  A match records where each block is; the read goes there — one batched get per tier, falling
+  through to the next tier on a miss — and nothing looks the blocks up again. Every block read is
+  proven to be the block its key names (`codecs.header.verify(data, key)`) in one verify loop that
+  `read` (a whole run) and `stream` (block by block) share: a corrupt or substituted block is deleted,
+  counted, and ends the prefix there — the caller recomputes from that point. A block of this
+  process's own DRAM never left the process: its key-bound header is checked, not its payload hash;
+  every block that crossed a process or a medium (`shm:`, SSD, pools) gets the full proof.
+- Write-back (`tiers/writeback.py`): the top tier is written synchronously, the lower tiers on one
+  queue (write-through, so a second process on the same SSD or pool sees the blocks, and demotion of
+  evicted blocks no lower tier holds yet: an eviction that write-through already placed below
+  hands back its key, not its bytes).
+- Health (`tiers/health.py`): each tier is readable and writable, or not. Reads skip a tier that is
+  not readable, writes one that is not writable (a full disk still serves reads); a tier that raises
+  is turned off both ways. One `HealthProber` thread probes each tier that is down.
 
-Health (`tiers.health`): each tier is readable and writable, or not. Reads skip a tier that is not
-readable, writes one that is not writable (a full disk still serves reads); a tier that raises is
-turned off both ways. One retry thread probes each tier that is down (`reconnect()`) when its
-back-off has passed — whether or not requests arrive — with the back-off growing while probes fail
-and across quick relapses. Each tier has a read lock and a write lock: a slow pool put on the
-writer thread never holds up a lookup on the compute path. The manager never calls up into its
-callers.
+Each tier has a read lock and a write lock: a slow pool put on the writer thread never holds up a
+lookup on the compute path. The manager never calls up into its callers.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
+from kvtier.tiers.health import HealthProber
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.writeback import WriteBack
 
 log = logging.getLogger(__name__)
 
 STREAM_CHUNK_BLOCKS = 4  # stream() fetches this many blocks per batched get, one chunk ahead
 
+Leases = list[tuple[Tier, list[bytes]]]  # (tier, keys) leased out: views valid until released
+
 
 @dataclass(slots=True)
 class PrefixMatch:
-    """The longest cached prefix of some keys: which tier holds each of its blocks (ids, no data)."""
+    """The longest cached prefix of some keys and where each of its blocks is (ids, no data).
+    `pinned[i]`: block i is kept from eviction in its tier until the read ends (or `unpin`)."""
 
     keys: list[bytes]
     tier_indices: list[int]   # into TierManager.tiers
     tiers: list[str]          # the same, by name
+    pinned: list[bool] = field(default_factory=list)  # empty: nothing pinned
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -58,15 +67,14 @@ class Prefix:
     payloads: list[bytes | memoryview]
     headers: list[Header]
     tiers: list[str]          # the tier each block came from
-    leases: list[tuple[Tier, list[bytes]]] = field(default_factory=list)
+    leases: Leases = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.payloads)
 
     def release(self) -> None:
         leases, self.leases = self.leases, []
-        for tier, keys in leases:
-            _release(tier, keys)
+        release(leases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +84,22 @@ class VerifiedBlock:
     key: bytes
     header: Header
     payload: bytes | memoryview
-    tier: str
+    tier: str                 # where it was read (below the match's tier if it fell through)
+
+
+@dataclass(slots=True)
+class _Fetched:
+    """What a batched read got: block index -> data (None: gone everywhere it was looked for), the
+    tier that served it, and which tier leased it."""
+
+    data: dict[int, bytes | memoryview | None] = field(default_factory=dict)
+    source: dict[int, int] = field(default_factory=dict)
+    leased: dict[int, Tier] = field(default_factory=dict)
+
+    def update(self, other: "_Fetched") -> None:
+        self.data.update(other.data)
+        self.source.update(other.source)
+        self.leased.update(other.leased)
 
 
 def _name_apart(tiers: list[Tier]) -> None:
@@ -92,11 +115,25 @@ def _name_apart(tiers: list[Tier]) -> None:
         tier.name = tier.health.name = name
 
 
-def _release(tier: Tier, keys: list[bytes]) -> None:
+def _quietly(tier: Tier, what: str, fn, keys: list[bytes]) -> None:
+    """Bookkeeping (release, unpin): a tier bug must not fail the reader."""
     try:
-        tier.release(keys)
-    except Exception:  # noqa: BLE001 - bookkeeping only; a tier bug must not fail the reader
-        log.exception("%s tier: release raised", tier.name)
+        fn(keys)
+    except Exception:  # noqa: BLE001
+        log.exception("%s tier: %s raised", tier.name, what)
+
+
+def release(leases: Leases) -> None:
+    """End leases handed over by `read(lease=True)` or `stream(hold=...)`."""
+    for tier, keys in leases:
+        _quietly(tier, "release", tier.release, keys)
+
+
+def _by_tier(pairs) -> dict[int, tuple[Tier, list[bytes]]]:
+    grouped: dict[int, tuple[Tier, list[bytes]]] = {}
+    for tier, key in pairs:
+        grouped.setdefault(id(tier), (tier, []))[1].append(key)
+    return grouped
 
 
 class TierManager:
@@ -106,7 +143,6 @@ class TierManager:
             raise ValueError("a TierManager needs at least one tier")
         _name_apart(tiers)
         self.tiers = tiers
-        self.num_dropped_writes = 0
         if backoff is not None:
             for tier in tiers:
                 tier.health.backoff = backoff
@@ -114,55 +150,14 @@ class TierManager:
         # a slow pool or SSD write on the worker thread never holds up a read on the compute path.
         self._read_locks = {id(tier): threading.Lock() for tier in tiers}
         self._write_locks = {id(tier): threading.Lock() for tier in tiers}
-        self._queue: queue.Queue | None = None
-        if async_writes and len(tiers) > 1:
-            self._queue = queue.Queue(max_pending_writes)
-            self._worker = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
-            self._worker.start()
+        self._writeback = WriteBack(tiers, self._guarded, threaded=async_writes, max_pending=max_pending_writes)
         self._prefetcher: ThreadPoolExecutor | None = None  # stream()'s read-ahead, started on first use
         self._prefetch_lock = threading.Lock()
-        self._closed = False
-        self._wake = threading.Event()  # set by an outage (TierHealth.watch) and by close()
-        for tier in tiers:
-            tier.health.watch(self._wake)
-        self._retrier = threading.Thread(target=self._retry_loop, name="kvtier-retry", daemon=True)
-        self._retrier.start()
+        self._prober = HealthProber(tiers, lambda t: (self._read_locks[id(t)], self._write_locks[id(t)]))
 
-    # -- health ----------------------------------------------------------------------------------
-    def _usable(self) -> list[bool]:
-        """Which tiers reads may use now (the retry thread brings the others back)."""
-        return [tier.health.readable for tier in self.tiers]
-
-    def _retry_loop(self) -> None:
-        """The one retry thread: probes each tier that is down once its back-off has passed, and
-        sleeps while every tier is up."""
-        while True:
-            self._wake.wait(self._retry_wait_s())
-            self._wake.clear()
-            for tier in self.tiers:
-                if self._closed:
-                    return
-                if tier.health.retry_due(time.monotonic()):
-                    self._probe(tier)
-
-    def _retry_wait_s(self) -> float | None:
-        """Until the next probe is due; None (until woken) while every tier is up."""
-        now = time.monotonic()
-        due = [tier.health.retry_at - now for tier in self.tiers if not tier.health.healthy]
-        return max(0.0, min(due)) if due else None
-
-    def _probe(self, tier: Tier) -> None:
-        health = tier.health
-        with ExitStack() as held:  # the lock of each side that is down: reconnect() may rebuild it
-            if not health.readable:
-                held.enter_context(self._read_locks[id(tier)])
-            held.enter_context(self._write_locks[id(tier)])
-            try:
-                tier.reconnect()  # on success the tier calls health.recover()
-            except Exception:  # noqa: BLE001 - a tier's probe must not kill the retry thread
-                log.exception("%s tier: reconnect raised", tier.name)
-        if not health.healthy:
-            health.probe_failed()
+    @property
+    def num_dropped_writes(self) -> int:
+        return self._writeback.num_dropped
 
     def _guarded(self, tier: Tier, what: str, fn, fallback, *, writing: bool = False):
         """Call a tier on one side — reads under its read lock, writes under its write lock — unless
@@ -179,106 +174,137 @@ class TierManager:
             health.fail(f"{what} raised {type(exc).__name__}: {exc}")
             return fallback
 
-    # -- reads -----------------------------------------------------------------------------------
+    # -- lookup ------------------------------------------------------------------------------------
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         """Whether some usable tier holds each key (asked top-down, each tier only for what is missing)."""
-        return [holder is not None for holder in self._holder_of_each(keys)]
+        return [holder is not None for holder in self._holder_of_each(keys, pin=False)]
 
-    def _holders(self, keys: list[bytes]) -> list[int]:
-        """For the longest prefix of `keys` held anywhere: the index of the top tier holding each.
-
-        Tiers are asked top-down, each only for the keys the tiers above do not hold, so a prefix
-        that is all in DRAM never touches (or waits for) the SSD or the pool."""
-        holder = self._holder_of_each(keys)
-        end = holder.index(None) if None in holder else len(keys)
-        return holder[:end]
-
-    def _holder_of_each(self, keys: list[bytes]) -> list[int | None]:
-        usable = self._usable()
+    def _holder_of_each(self, keys: list[bytes], *, pin: bool) -> list[int | None]:
+        """The top tier holding each key: tiers are asked top-down, each only for the keys the tiers
+        above do not hold, so a prefix that is all in DRAM never touches (or waits for) the SSD or the
+        pool. `pin`: each found block is pinned in the tier that holds it."""
         holder: list[int | None] = [None] * len(keys)
         missing = list(range(len(keys)))
-        for idx, (tier, ok) in enumerate(zip(self.tiers, usable)):
+        for idx, tier in enumerate(self.tiers):
             if not missing:
                 break
-            if not ok:
+            if not tier.health.readable:
                 continue
             ks = [keys[i] for i in missing]
-            flags = self._guarded(tier, "contains", lambda t=tier: t.contains_many(ks), [False] * len(ks))
+            ask = (lambda t=tier: t.pin_many(ks)) if pin else (lambda t=tier: t.contains_many(ks))
+            flags = self._guarded(tier, "pin" if pin else "contains", ask, [False] * len(ks))
             for i, held in zip(missing, flags):
                 if held:
                     holder[i] = idx
             missing = [i for i in missing if holder[i] is None]
         return holder
 
-    def match(self, keys: list[bytes]) -> PrefixMatch:
-        """Which tier holds each block of the longest prefix of `keys` held anywhere: one batched
-        contains per tier, top-down. Nothing is read yet; `read(match)` fetches and verifies."""
-        holders = self._holders(keys)
-        return PrefixMatch(keys[:len(holders)], holders, [self.tiers[t].name for t in holders])
+    def match(self, keys: list[bytes], *, pin: bool = False) -> PrefixMatch:
+        """Where each block of the longest prefix of `keys` held anywhere is: one batched contains
+        per tier, top-down. Nothing is read yet; `read` / `stream` fetch there and verify. `pin=True`
+        (a load will follow): each block is kept from eviction in its tier until that read ends —
+        or `unpin(match)` for a load that does not happen."""
+        holder = self._holder_of_each(keys, pin=pin)
+        end = holder.index(None) if None in holder else len(keys)
+        if pin:  # found past the prefix: no load reads them
+            for _, (tier, ks) in _by_tier((self.tiers[t], keys[i]) for i, t in enumerate(holder)
+                                          if i >= end and t is not None).items():
+                _quietly(tier, "unpin", tier.unpin, ks)
+        indices = holder[:end]
+        return PrefixMatch(keys[:end], indices, [self.tiers[t].name for t in indices], [pin] * end if pin else [])
+
+    def locate(self, keys: list[bytes], tiers: list[str]) -> PrefixMatch:
+        """A match from another process's lookup (`tiers`: where it found each block, by name): the
+        read goes there without looking anything up again, falling through on a miss. This process's
+        own memory tiers (DRAM), which that lookup could not see, are asked first — in memory — and
+        pin what they hold. A name this stack lacks ends the prefix."""
+        index_of = {tier.name: i for i, tier in enumerate(self.tiers)}
+        indices: list[int] = []
+        for name in tiers[:len(keys)]:
+            if name not in index_of:
+                break
+            indices.append(index_of[name])
+        keys = keys[:len(indices)]
+        pinned = [False] * len(keys)
+        for idx, tier in enumerate(self.tiers):
+            ask = [i for i in range(len(keys)) if indices[i] > idx]
+            if not tier.in_process or not ask or not tier.health.readable:
+                continue
+            ks = [keys[i] for i in ask]
+            held = self._guarded(tier, "pin", lambda t=tier: t.pin_many(ks), [False] * len(ks))
+            for i, h in zip(ask, held):
+                if h:
+                    indices[i], pinned[i] = idx, True
+        return PrefixMatch(keys, indices, [self.tiers[t].name for t in indices], pinned)
+
+    def unpin(self, match: PrefixMatch) -> None:
+        """End the pins of a match (idempotent): `read` and `stream` do it when they end."""
+        pinned, match.pinned = match.pinned, []
+        groups = _by_tier((self.tiers[t], k) for k, t, p in zip(match.keys, match.tier_indices, pinned) if p)
+        for tier, ks in groups.values():
+            _quietly(tier, "unpin", tier.unpin, ks)
 
     def lookup(self, keys: list[bytes]) -> list[str]:
         """Tier name of each block of the longest prefix of `keys` held anywhere."""
         return self.match(keys).tiers
 
+    # -- reads: one verify loop ----------------------------------------------------------------------
     def read(self, match: PrefixMatch, *, lease: bool = False) -> Prefix:
         """Fetch a match's blocks (one batched get per tier) and prove each is the block its key
-        names (`codecs.header.verify(data, key)`: intact, and written for that key). The prefix ends
-        at the first block that is missing after all (evicted meanwhile) or bad; every bad block of
-        the run is deleted from its tier at once (not one per request) and counted as corrupt, not as
-        a hit. Verified lower-tier blocks of the prefix are promoted to the top tier. `lease=True`:
-        a tier that can (DRAM) hands out views of its memory instead of copies, pinned until
-        `Prefix.release()` — one copy fewer on the restore path."""
-        fetched, leased = self._fetch(match, lease)
+        names. The prefix ends at the first block that is missing after all (evicted meanwhile) or
+        bad; every bad block of the run is deleted from its tier at once (not one per request) and
+        counted as corrupt, not as a hit. Verified lower-tier blocks of the prefix are promoted to the
+        top tier. `lease=True`: tiers hand out views of their memory instead of copies where they can,
+        valid until `Prefix.release()` — one copy fewer on the restore path."""
         prefix = Prefix([], [], [])
-        for i, hdr in self._verified_run(match, fetched):
-            prefix.payloads.append(fetched[i])
-            prefix.headers.append(hdr)
-            prefix.tiers.append(match.tiers[i])
-        prefix.leases = self._settle(match, fetched, leased, len(prefix))
+        for block in self._blocks(match, lease, max(len(match), 1), prefix.leases):
+            prefix.payloads.append(block.payload)
+            prefix.headers.append(block.header)
+            prefix.tiers.append(block.tier)
         return prefix
 
-    def stream(self, match: PrefixMatch, *, lease: bool = True) -> Iterator[VerifiedBlock]:
+    def stream(self, match: PrefixMatch, *, lease: bool = True, hold: Leases | None = None) -> Iterator[VerifiedBlock]:
         """`read`, block by block, for a caller that copies each block somewhere: every block is
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
         then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
         `STREAM_CHUNK_BLOCKS` at a time, the next chunk on the prefetch thread while the caller copies
-        this one, so an SSD or pool read overlaps the copies. A yielded payload may view a tier's
-        memory and is valid until the next block is pulled; the leases end, the promotions and the
-        deletion of bad blocks (among those fetched) happen when the iteration ends or the generator is
-        closed. Past the end of the prefix nothing more is fetched."""
-        chunks = [list(range(start, min(start + STREAM_CHUNK_BLOCKS, len(match))))
-                  for start in range(0, len(match), STREAM_CHUNK_BLOCKS)]
-        fetched: dict[int, bytes | memoryview | None] = {}
-        leased: dict[int, Tier] = {}
+        this one, so an SSD or pool read overlaps the copies. The promotions, the deletion of bad
+        blocks (among those fetched) and the end of the pins happen when the iteration ends or the
+        generator is closed; so does the end of every lease — unless `hold` is given: the yielded
+        blocks' leases are then appended to it (end them with `release(hold)`), so every block handed
+        out stays valid until then. Past the end of the prefix nothing more is fetched."""
+        return self._blocks(match, lease, STREAM_CHUNK_BLOCKS, hold)
+
+    def _blocks(self, match: PrefixMatch, lease: bool, chunk_blocks: int,
+                hold: Leases | None) -> Iterator[VerifiedBlock]:
+        """The one verify loop: fetch chunk by chunk (the next one ahead), verify each block just
+        before it is handed out; once the prefix has ended the rest of what was fetched is still
+        verified, so every bad block among it is dropped now."""
+        chunks = [list(range(start, min(start + chunk_blocks, len(match))))
+                  for start in range(0, len(match), chunk_blocks)]
+        got = _Fetched()
         kept, ended, ahead = 0, False, None
         try:
             for n, chunk in enumerate(chunks):
-                part = ahead.result() if ahead is not None else self._fetch(match, lease, chunk)
-                fetched.update(part[0])
-                leased.update(part[1])
+                got.update(ahead.result() if ahead is not None else self._fetch(match, lease, chunk))
                 ahead = None
                 if n + 1 < len(chunks):
                     ahead = self._prefetch().submit(self._fetch, match, lease, chunks[n + 1])
                 for i in chunk:
-                    data = fetched.get(i)
-                    hdr = self._verified(match.keys[i], data, self.tiers[match.tier_indices[i]]) \
-                        if data is not None else None
+                    hdr = self._verified_at(match, got, i)
                     ended = ended or hdr is None
                     if not ended:
                         kept += 1  # handed out: promoted at the end even if the caller stops pulling here
-                        yield VerifiedBlock(match.keys[i], hdr, data, match.tiers[i])
+                        yield VerifiedBlock(match.keys[i], hdr, got.data[i], self.tiers[got.source[i]].name)
                 if ended:
                     break
         finally:
             if ahead is not None:  # fetched already: verified too (every bad block goes now), then let go
                 part = ahead.result()
-                fetched.update(part[0])
-                leased.update(part[1])
-                for i, data in part[0].items():
-                    if data is not None:
-                        self._verified(match.keys[i], data, self.tiers[match.tier_indices[i]])
-            for tier, keys in self._settle(match, fetched, leased, kept):
-                _release(tier, keys)
+                got.update(part)
+                for i in part.data:
+                    self._verified_at(match, got, i)
+            self._settle(match, got, kept, hold)
 
     def _prefetch(self) -> ThreadPoolExecutor:
         with self._prefetch_lock:
@@ -286,58 +312,37 @@ class TierManager:
                 self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
             return self._prefetcher
 
-    def _fetch(self, match: PrefixMatch, lease: bool,
-               only: list[int] | None = None) -> tuple[dict[int, bytes | memoryview | None], dict[int, Tier]]:
-        """One batched get (or lease) per tier of the blocks `only` (default: all): block index ->
-        data (None: gone), and which were leased."""
-        wanted = range(len(match)) if only is None else only
-        fetched: dict[int, bytes | memoryview | None] = {}
-        leased: dict[int, Tier] = {}
-        for tier_idx in sorted({match.tier_indices[i] for i in wanted}):
-            tier = self.tiers[tier_idx]
-            idxs = [i for i in wanted if match.tier_indices[i] == tier_idx]
-            keys = [match.keys[i] for i in idxs]
-            leasing = lease and hasattr(tier, "lease_many")
-            get = tier.lease_many if leasing else tier.get_many
-            datas = self._guarded(tier, "get", lambda g=get, ks=keys: g(ks), [None] * len(idxs))
-            fetched.update(zip(idxs, datas))
-            if leasing:
-                leased.update((i, tier) for i, data in zip(idxs, datas) if data is not None)
-        return fetched, leased
+    def _fetch(self, match: PrefixMatch, lease: bool, only: list[int]) -> _Fetched:
+        """One batched get (or lease) per tier of the blocks `only`, each where the match found it;
+        a block gone from there is asked of the next tier down (no lookup: a get that misses)."""
+        got = _Fetched()
+        pending = {i: match.tier_indices[i] for i in only}
+        while pending:
+            below: dict[int, int] = {}
+            for tier_idx in sorted(set(pending.values())):
+                tier = self.tiers[tier_idx]
+                idxs = [i for i, t in pending.items() if t == tier_idx]
+                keys = [match.keys[i] for i in idxs]
+                get = tier.lease_many if lease else tier.get_many
+                datas = self._guarded(tier, "get", lambda g=get: g(keys), [None] * len(idxs))
+                for i, data in zip(idxs, datas):
+                    if data is None and tier_idx + 1 < len(self.tiers):
+                        below[i] = tier_idx + 1
+                        continue
+                    got.data[i], got.source[i] = data, tier_idx
+                    if lease and data is not None:
+                        got.leased[i] = tier
+            pending = below
+        return got
 
-    def _verified_run(self, match: PrefixMatch, fetched: dict) -> Iterator[tuple[int, Header]]:
-        """(index, header) of each verified block of the prefix, in order; once the prefix has ended
-        (a block gone or bad) the rest are still verified, so every bad block is dropped now."""
-        ended = False
-        for i, (key, tier_idx) in enumerate(zip(match.keys, match.tier_indices)):
-            data = fetched.get(i)
-            hdr = self._verified(key, data, self.tiers[tier_idx]) if data is not None else None
-            ended = ended or hdr is None
-            if not ended:
-                yield i, hdr
+    def _verified_at(self, match: PrefixMatch, got: _Fetched, i: int) -> Header | None:
+        data = got.data.get(i)
+        return None if data is None else self._verified(match.keys[i], data, self.tiers[got.source[i]])
 
-    def _settle(self, match: PrefixMatch, fetched: dict, leased: dict[int, Tier],
-                kept: int) -> list[tuple[Tier, list[bytes]]]:
-        """After a read of `kept` blocks: promote its lower-tier blocks to the top tier, end the leases
-        of the blocks past the prefix, and return the prefix's own leases (per tier)."""
-        promote = [(match.keys[i], fetched[i]) for i in range(kept) if match.tier_indices[i] > 0]
-        if promote:
-            self._put_top(promote)
-        ours: dict[int, tuple[Tier, list[bytes]]] = {}
-        rest: dict[int, tuple[Tier, list[bytes]]] = {}
-        for i, tier in leased.items():
-            (ours if i < kept else rest).setdefault(id(tier), (tier, []))[1].append(match.keys[i])
-        for tier, keys in rest.values():
-            _release(tier, keys)
-        return list(ours.values())
-
-    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
-        """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""
-        return self.read(self.match(keys)).payloads
-
-    def _verified(self, key: bytes, data: bytes, tier: Tier) -> Header | None:
+    def _verified(self, key: bytes, data: bytes | memoryview, tier: Tier) -> Header | None:
         try:
-            return verify(data, key)
+            # DRAM slots of this process: the key-bound header; anything that crossed a medium: all of it
+            return verify(data, key, payload=not tier.in_process)
         except CorruptBlockError as exc:
             log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
             with self._read_locks[id(tier)]:  # the prefetch thread may be counting this tier's reads
@@ -347,51 +352,43 @@ class TierManager:
             self._guarded(tier, "delete", lambda: tier.delete(key), False)
             return None
 
+    def _settle(self, match: PrefixMatch, got: _Fetched, kept: int, hold: Leases | None) -> None:
+        """After a read of `kept` blocks: promote its lower-tier blocks to the top tier, end the leases
+        of the blocks past the prefix, the pins, and the prefix's own leases (or hand them to `hold`)."""
+        promote = [(match.keys[i], got.data[i]) for i in range(kept) if got.source[i] > 0]
+        if promote:
+            self._put_top(promote)
+            top = self.tiers[0]  # they came from below: an eviction needs no demotion
+            self._guarded(top, "placed_below", lambda: top.placed_below([k for k, _ in promote]), None,
+                          writing=True)
+        ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i < kept)
+        rest = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i >= kept)
+        release(list(rest.values()))
+        self.unpin(match)
+        if hold is not None:
+            hold.extend(ours.values())
+        else:
+            release(list(ours.values()))
+
+    def get_prefix(self, keys: list[bytes]) -> list[bytes]:
+        """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""
+        return self.read(self.match(keys)).payloads
+
     # -- writes ----------------------------------------------------------------------------------
     def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Into the top tier now; write-through to the lower tiers on the write-back queue."""
         self._put_top(items)
-        if len(self.tiers) > 1:
-            self._enqueue(items)
+        self._writeback.submit(items, through=True)
 
     def _put_top(self, items: list[tuple[bytes, bytes]]) -> None:
         top = self.tiers[0]
         evicted = self._guarded(top, "put", lambda: top.put_many(items), [], writing=True)
-        if evicted and len(self.tiers) > 1:
-            self._enqueue(evicted)  # demotion (a no-op below if write-through already put it there)
-
-    def _enqueue(self, items: list[tuple[bytes, bytes]]) -> None:
-        if self._queue is None:
-            self._write_lower(items)
-            return
-        try:
-            self._queue.put_nowait(items)
-        except queue.Full:  # never block the compute path on a slow tier
-            self.num_dropped_writes += len(items)
-
-    def _drain(self) -> None:
-        while True:
-            items = self._queue.get()
-            try:
-                if items is None:
-                    return
-                self._write_lower(items)
-            except Exception:  # a failing tier must not kill the writer
-                log.exception("write to a lower tier failed")
-            finally:
-                self._queue.task_done()
-
-    def _write_lower(self, items: list[tuple[bytes, bytes]]) -> None:
-        keys = [k for k, _ in items]
-        for tier in self.tiers[1:]:
-            held = self._guarded(tier, "contains", lambda t=tier: t.contains_many(keys), [True] * len(items),
-                                 writing=True)
-            new = [(k, d) for (k, d), h in zip(items, held) if not h]
-            if new:
-                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [], writing=True)
+        # a block write-through placed below comes back as its key alone: nothing to demote
+        self._writeback.submit([(key, data) for key, data in evicted if data is not None], through=False)
 
     def flush(self) -> None:
-        if self._queue is not None:
-            self._queue.join()
+        """Until the pending lower-tier writes have landed."""
+        self._writeback.flush()
 
     # -- resident host memory: the live KV of sequences longer than the device (engine/offload.py) --
     def host_tier(self) -> HostTier | None:
@@ -408,11 +405,11 @@ class TierManager:
         if host is None:
             return None
         with self._write_locks[id(host)], self._read_locks[id(host)]:
-            slot, evicted = host.pin(key, data)
-        if evicted and len(self.tiers) > 1:
-            self._enqueue(evicted)
-        if slot is not None and data is not None and len(self.tiers) > 1:
-            self._enqueue([(key, data)])  # write-through, as put_many (a no-op below where it is held)
+            slot, evicted = host.pin_resident(key, data)
+        # demotion of what made room (a block placed below already comes back as its key alone)
+        self._writeback.submit([(k, d) for k, d in evicted if d is not None], through=False)
+        if slot is not None and data is not None:
+            self._writeback.submit([(key, data)], through=True)  # write-through, as put_many
         return slot
 
     def host_payloads(self, dtype, shape: tuple[int, ...]):
@@ -435,16 +432,8 @@ class TierManager:
         return {tier.name: (tier.used_bytes(), tier.capacity_bytes) for tier in self.tiers}
 
     def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._retrier.join(timeout=30)  # a probe in flight ends within the backend's timeouts
-        for tier in self.tiers:
-            tier.health.unwatch(self._wake)
-        self.flush()
-        if self._queue is not None:
-            self._queue.put(None)
-            self._worker.join(timeout=10)
-            self._queue = None
+        self._prober.close()
+        self._writeback.close()
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True)
         for tier in self.tiers:

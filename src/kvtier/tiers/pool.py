@@ -37,8 +37,10 @@ class Backend(Protocol):
     def connect(self) -> None: ...                                   # raise PoolError
     def exists(self, names: list[str]) -> list[bool]: ...
     def get(self, names: list[str]) -> list[bytes | None]: ...
-    # A backend that can read into buffers of its own (Mooncake: registered, reused) also offers
-    # `lease(names) -> [(read-only view, buffer) | None]` and `release(buffers)`.
+    # Reads into buffers of the backend's own (Mooncake: registered, reused): (read-only view, what
+    # `release` needs to give it back), or (bytes, None) for a backend that hands out copies (Redis).
+    def lease(self, names: list[str]) -> list[tuple[bytes | memoryview, object] | None]: ...
+    def release(self, buffers: list[object]) -> None: ...
     def put(self, items: list[tuple[str, bytes]]) -> None: ...
     def remove(self, name: str) -> bool: ...
     def used_bytes(self) -> int | None: ...                          # None: the service does not say
@@ -47,6 +49,7 @@ class Backend(Protocol):
 
 class PoolTier:
     capacity_bytes = None
+    in_process = False  # the blocks crossed the network: full payload proof
 
     def __init__(self, name: str, backend: Backend, *, connect: bool = True) -> None:
         self.name = name
@@ -78,19 +81,26 @@ class PoolTier:
             self._failed("lookup", exc)
             return [False] * len(keys)
 
+    def pin_many(self, keys: list[bytes]) -> list[bool]:
+        """The service owns eviction: nothing can be pinned, a later read may miss (and fall through)."""
+        return self.contains_many(keys)
+
+    def unpin(self, keys: list[bytes]) -> None:
+        pass
+
+    def placed_below(self, keys: list[bytes]) -> None:
+        pass  # the service evicts on its own: nothing is handed back for demotion
+
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         return self._read(keys, self.backend.get)
 
     def lease_many(self, keys: list[bytes]) -> list[bytes | memoryview | None]:
         """`get_many`, read into the backend's reused buffers where it has them (no allocation, one
         copy fewer): read-only views, valid until `release(keys)` gives the buffers back. A backend
-        without them (Redis) returns copies and `release` has nothing to do."""
-        lease = getattr(self.backend, "lease", None)
-        if lease is None:
-            return self.get_many(keys)
-        got = self._read(keys, lease, lambda item: item[0])
+        without them (Redis) hands out copies: nothing to give back."""
+        got = self._read(keys, self.backend.lease, lambda item: item[0])
         for key, item in zip(keys, got):
-            if item is not None:
+            if item is not None and item[1] is not None:
                 self._leases.add(key, item[1])
         return [None if item is None else item[0] for item in got]
 

@@ -50,6 +50,13 @@ class RedisBackend:
     def get(self, names: list[str]) -> list[bytes | None]:
         return self._call(lambda c: c.mget(names))
 
+    def lease(self, names: list[str]) -> list[tuple[bytes, None] | None]:
+        """Redis hands out copies: `get`'s bytes, nothing to give back."""
+        return [None if data is None else (data, None) for data in self.get(names)]
+
+    def release(self, buffers: list[object]) -> None:
+        pass
+
     def put(self, items: list[tuple[str, bytes]]) -> None:
         def run(c):
             pipe = c.pipeline(transaction=False)

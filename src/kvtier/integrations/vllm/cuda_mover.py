@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 
-class BlockMover:
+class DeviceCopies:
     def __init__(self, device: torch.device, num_layers: int) -> None:
         self.device = device
         self.cuda = device.type == "cuda"

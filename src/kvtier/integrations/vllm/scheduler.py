@@ -80,7 +80,7 @@ class SchedulerSide:
         assert num_blocks <= len(plan.keys), (num_blocks, len(plan.keys))
         plan.keys, plan.tiers = plan.keys[:num_blocks], plan.tiers[:num_blocks]
         ids = block_ids[plan.first_block:plan.first_block + num_blocks]
-        self._records.loads.append(LoadSpec(request.request_id, plan.keys, ids))
+        self._records.loads.append(LoadSpec(request.request_id, plan.keys, ids, list(plan.tiers)))
         tracker.load, tracker.load_block_ids = plan, ids
         tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
 

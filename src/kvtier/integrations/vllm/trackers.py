@@ -11,16 +11,18 @@ from dataclasses import dataclass, field, replace
 
 import xxhash
 
-from kvtier.blocks import KeySpace, block_keys, chain_key
+from kvtier.blocks import KeyChain, KeySpace
 
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Fill `block_ids` (device blocks) with the blocks named by `keys`, in order."""
+    """Fill `block_ids` (device blocks) with the blocks named by `keys`, in order. `tiers`: where the
+    scheduler's lookup found each (tier names): the worker reads there, it does not look them up again."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    tiers: list[str]
 
 
 @dataclass(slots=True)
@@ -66,20 +68,14 @@ class RequestTracker:
 
     def __init__(self, space: KeySpace) -> None:
         self.space = space
-        self.keys: list[bytes] = []
+        self.chain = KeyChain(space)       # the request's keys, grown with its tokens
         self.num_saved_blocks = 0          # blocks [0, num_saved_blocks) are in the tiers or queued
         self.load: LoadPlan | None = None  # the plan admitted with its loaded block ids, until finished
         self.load_block_ids: list[int] = []
 
     def keys_for(self, token_ids: list[int], num_blocks: int) -> list[bytes]:
         """Keys of the first `num_blocks` full blocks of `token_ids` (the chain is extended, never rehashed)."""
-        block_tokens = self.space.layout.block_tokens
-        if not self.keys and num_blocks:
-            self.keys = block_keys(self.space, token_ids[:num_blocks * block_tokens])
-        while len(self.keys) < num_blocks:
-            start = len(self.keys) * block_tokens
-            self.keys.append(chain_key(self.keys[-1], token_ids[start:start + block_tokens]))
-        return self.keys[:num_blocks]
+        return self.chain.extend(token_ids, num_blocks)
 
     def loaded_tokens_by_tier(self) -> dict[str, int]:
         if self.load is None:

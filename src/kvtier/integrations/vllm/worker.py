@@ -1,38 +1,45 @@
 """Worker side: copies blocks between vLLM's paged KV cache and the tier stack.
 
-Loads run on one thread, in one of two modes:
+Blocks move through `kvtier.transfer.BlockMover`, as in the engine: this side supplies only the
+destination writes into vLLM's paged cache. A load reads where the scheduler's lookup found each block
+(`LoadSpec.tiers`, `TierManager.locate`: no second lookup; the worker's own DRAM, which the scheduler
+cannot see, is asked first, in memory; a miss falls through to the next tier), each block verified
+just before it is written, the next blocks read ahead meanwhile. Loads run on one thread, in one of
+two modes:
 - async: while the engine keeps stepping (the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, so
-  nothing reads its blocks until the load is reported finished);
-- layerwise: with the step that first runs the request; the thread reads and verifies every block,
-  then writes layer after layer, and the forward waits for each layer just before its attention.
-Every block is verified and decoded before any of its KV is written; a missing, corrupt or foreign block
+  nothing reads its blocks until the load is reported finished); each block is written (all layers)
+  as soon as it is verified;
+- layerwise: with the step that first runs the request; the thread restores every block of the
+  step's loads (verified, kept leased), then writes layer after layer, and the forward waits for each
+  layer just before its attention.
+No block's KV is written before it is verified and decoded; a missing, corrupt or foreign block
 ends the load there and its block ids (and those after it) are reported back, so vLLM recomputes
 them (a layerwise load's request then saves nothing this step: its new blocks attended to the holes).
 Saves copy the step's newly full blocks out layer by layer as the forward leaves each layer (the blocks
-may be freed after the step), into one buffer the step end hands to another thread, which encodes and
-writes them; a full queue drops the save (a future miss) rather than stall a step. No tier error ever
-reaches vLLM.
+may be freed after the step), into one buffer the step end hands to the mover's save queue, which
+encodes and writes them; a full queue drops the save (a future miss) rather than stall a step. No tier
+error ever reaches vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.blocks import KVLayout
-from kvtier.codecs import Codec, CorruptBlockError, Header
-from kvtier.integrations.vllm.cuda_mover import BlockMover
+from kvtier.codecs import Codec
+from kvtier.integrations.vllm.cuda_mover import DeviceCopies
 from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
+from kvtier.transfer import BlockMover, MoverStats
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 
@@ -45,6 +52,48 @@ class _StepSave:
     index: torch.Tensor        # their device block ids, the specs' in order
     kv: torch.Tensor           # [L, n, 2, H, T, D] (MLA: [L, n, 1, 1, T, D]): one contiguous slab per layer
     layers_done: list[bool]
+
+
+class _BlockWrites:
+    """Async loads' sink: each verified block written into its device block, every layer, at once."""
+
+    def __init__(self, views: list[torch.Tensor], block_ids: list[int]) -> None:
+        self.views = views
+        self.block_ids = block_ids
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        block_id = self.block_ids[index]
+        for layer, view in enumerate(self.views):  # block: [L, 2, H, T, D]; view[block_id]: [2, H, T, D]
+            view[block_id].copy_(block[layer])
+
+
+@dataclass(slots=True)
+class _LayerWrites:
+    """Layerwise loads' sink: the step's verified blocks (valid while their restores are open) and
+    their device blocks, written layer by layer by `write_layers` once every block is in."""
+
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+
+    def into(self, spec: LoadSpec) -> "_SpecWrites":
+        return _SpecWrites(self, spec.block_ids)
+
+    def write_layers(self, views: list[torch.Tensor], copies: "DeviceCopies", ready: list[threading.Event]) -> None:
+        index = torch.tensor(self.block_ids, dtype=torch.long)
+        for layer, event in enumerate(ready):  # layer 0 is ready after 1/L of the copy
+            if self.blocks:  # n x [L, 2, H, T, D]: one layer gathered, then one index_put (CUDA: side stream)
+                copies.copy_in(views[layer], index, [block[layer] for block in self.blocks], layer)
+            event.set()
+
+
+@dataclass(slots=True)
+class _SpecWrites:
+    step: _LayerWrites
+    block_ids: list[int]
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.step.blocks.append(block)
+        self.step.block_ids.append(self.block_ids[index])
 
 
 @dataclass(slots=True)
@@ -60,7 +109,9 @@ class WorkerSide:
         self.layout = layout
         self.codec = codec
         self.manager = manager
-        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D] (layouts.block_view)
+        self.mover = BlockMover(manager, codec, layout=layout, max_pending_saves=max_pending_saves)
+        self._saves_seen = MoverStats()  # the mover's save counters already reported by take_stats
+        self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
         self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._lock = threading.Lock()
@@ -71,9 +122,6 @@ class WorkerSide:
         self._stats: Counter = Counter()
         self._step_save: _StepSave | None = None
         self._layerwise: _LayerwiseLoad | None = None
-        self._saves: queue.Queue = queue.Queue(max_pending_saves)
-        self._saver = threading.Thread(target=self._drain_saves, name="kvtier-save", daemon=True)
-        self._saver.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor], layer_index, page: str = "planes") -> None:
         """`layer_index(name) -> int` orders vLLM's layer names; `page` is their format (`layouts`)."""
@@ -81,7 +129,7 @@ class WorkerSide:
         if len(names) != self.layout.num_layers:
             raise ValueError(f"{len(names)} KV cache layers registered, the model has {self.layout.num_layers}")
         self._views = [block_view(kv_caches[name], page, self.layout) for name in names]
-        self._mover = BlockMover(self._views[0].device, len(names))  # CUDA: side stream, pinned buffers
+        self._copies = DeviceCopies(self._views[0].device, len(names))  # CUDA: side stream, pinned buffers
         self._layer_of = {name: i for i, name in enumerate(names)}
         dtype = str(self._views[0].dtype).removeprefix("torch.")
         if dtype != self.layout.dtype:
@@ -95,42 +143,18 @@ class WorkerSide:
 
     def _load(self, spec: LoadSpec) -> None:
         start = time.perf_counter()
-        blocks, tiers, release = self._read_verified(spec)
+        tiers: list[str] = []
         try:
-            if blocks:
-                index = torch.tensor(spec.block_ids[:len(blocks)], dtype=torch.long)
-                for layer in range(len(self._views)):
-                    self._write_layer(blocks, index, layer)
+            tiers = self.mover.restore(self._located(spec), _BlockWrites(self._views, spec.block_ids)).tiers
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
-            log.exception("kvtier: writing %d blocks for %s failed; recomputing", len(blocks), spec.req_id)
-            blocks = []
-        finally:
-            release()
-        failed = self._account(spec, tiers[:len(blocks)], time.perf_counter() - start)
+            log.exception("kvtier: load of %d blocks for %s failed; recomputing", len(spec.keys), spec.req_id)
+        failed = self._account(spec, tiers, time.perf_counter() - start)
         with self._lock:
             self._done_loads.append((spec.req_id, failed))
 
-    def _read_verified(self, spec: LoadSpec) -> tuple[list[torch.Tensor], list[str], Callable[[], None]]:
-        """The blocks of `spec` up to the first one missing or not proven to be the one its key names,
-        each [L, 2, H, T, D], the tier each came from, and `release`: the blocks are leased (views of a
-        DRAM slot, a pooled SSD or Mooncake buffer: no copy on the way in) until it is called, once
-        they are written into the cache."""
-        prefix = None
-        try:
-            # One batched contains + get per tier; each block proven to be the one its key names.
-            prefix = self.manager.read(self.manager.match(spec.keys), lease=True)
-            blocks = []
-            for key, hdr, data in zip(spec.keys, prefix.headers, prefix.payloads):
-                kv = self._decode(key, hdr, data)
-                if kv is None:
-                    break
-                blocks.append(kv)
-            return blocks, prefix.tiers[:len(blocks)], prefix.release
-        except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
-            log.exception("kvtier: load of %d blocks for %s failed; recomputing", len(spec.keys), spec.req_id)
-            if prefix is not None:
-                prefix.release()
-            return [], [], lambda: None
+    def _located(self, spec: LoadSpec):
+        """Where the scheduler's lookup found the blocks (this worker's DRAM asked first): no re-match."""
+        return self.manager.locate(spec.keys, spec.tiers)
 
     def _account(self, spec: LoadSpec, tiers: list[str], seconds: float) -> list[int]:
         """Count a finished load (`tiers`: one per loaded block); the block ids that did not load."""
@@ -144,22 +168,6 @@ class WorkerSide:
             self._stats["load_seconds"] += seconds
         return failed
 
-    def _decode(self, key: bytes, hdr: Header, data: bytes) -> torch.Tensor | None:
-        try:
-            kv = self.codec.decode_verified(hdr, data)
-        except CorruptBlockError as exc:
-            log.warning("kvtier: block %s rejected (%s); recomputing from it", key.hex()[:12], exc)
-            return None
-        if tuple(kv.shape) != self.layout.block_shape or kv.dtype != self._views[0].dtype:
-            log.warning("kvtier: block %s has shape %s %s, expected %s; recomputing from it", key.hex()[:12],
-                        tuple(kv.shape), kv.dtype, self.layout.block_shape)
-            return None
-        return kv
-
-    def _write_layer(self, blocks: list[torch.Tensor], index: torch.Tensor, layer: int) -> None:
-        # blocks: n x [L, 2, H, T, D], every one already verified; one layer gathered, then one index_put
-        self._mover.copy_in(self._views[layer], index, [block[layer] for block in blocks], layer)
-
     def start_layerwise(self, loads: list[LoadSpec]) -> None:
         """Layerwise mode: this step's loads start now; `wait_layer` holds each layer's attention until
         that layer is in the cache; `finish_layerwise` (step end) reports what failed."""
@@ -171,26 +179,22 @@ class WorkerSide:
 
     def _load_layers(self, loads: list[LoadSpec], state: _LayerwiseLoad) -> None:
         start = time.perf_counter()
-        read = [self._read_verified(spec) for spec in loads]  # every block verified before any is written
-        kv = [block for blocks, _, _ in read for block in blocks]
-        index = torch.tensor([b for spec, (blocks, _, _) in zip(loads, read) for b in spec.block_ids[:len(blocks)]],
-                             dtype=torch.long)
+        writes = _LayerWrites()
+        tiers: list[list[str]] = [[] for _ in loads]
         try:
-            for layer, ready in enumerate(state.ready):  # layer 0 is ready after 1/L of the copy
-                if kv:
-                    self._write_layer(kv, index, layer)
-                ready.set()
+            with ExitStack() as restores:  # every block verified (and kept leased) before any is written
+                for n, spec in enumerate(loads):
+                    tiers[n] = restores.enter_context(self.mover.restoring(self._located(spec), writes.into(spec))).tiers
+                writes.write_layers(self._views, self._copies, state.ready)
         except Exception:  # noqa: BLE001 - recomputed, as any failed load
-            log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(kv))
-            read = [([], [], release) for _, _, release in read]
+            log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(writes.blocks))
+            tiers = [[] for _ in loads]
         finally:
             for ready in state.ready:
                 ready.set()  # never leave the forward waiting
-            for _, _, release in read:
-                release()
         seconds = time.perf_counter() - start
-        for spec, (blocks, tiers, _) in zip(loads, read):
-            failed = self._account(spec, tiers, seconds / len(loads))
+        for spec, spec_tiers in zip(loads, tiers):
+            failed = self._account(spec, spec_tiers, seconds / len(loads))
             if failed:
                 with self._lock:
                     self._invalid_block_ids.update(failed)
@@ -200,7 +204,7 @@ class WorkerSide:
         state, layer = self._layerwise, self._layer_of.get(layer_name)
         if state is not None and layer is not None:
             state.ready[layer].wait()
-            self._mover.wait_layer(layer)
+            self._copies.wait_layer(layer)
 
     def finish_layerwise(self) -> None:
         """Step end: the step's layerwise loads are over (the forward may have skipped some layers)."""
@@ -239,7 +243,7 @@ class WorkerSide:
         if not block_ids or not self._views:
             return
         view = self._views[0]
-        kv = self._mover.host_slab((len(self._views), len(block_ids), *view.shape[1:]), view.dtype)
+        kv = self._copies.host_slab((len(self._views), len(block_ids), *view.shape[1:]), view.dtype)
         self._step_save = _StepSave(saves, torch.tensor(block_ids, dtype=torch.long), kv,
                                     [False] * len(self._views))
 
@@ -251,7 +255,7 @@ class WorkerSide:
 
     def _copy_out(self, step: _StepSave, layer: int) -> None:
         start = time.perf_counter()
-        self._mover.copy_out(self._views[layer], step.index, step.kv[layer], layer)
+        self._copies.copy_out(self._views[layer], step.index, step.kv[layer], layer)
         step.layers_done[layer] = True
         with self._lock:
             self._stats["save_copy_seconds"] += time.perf_counter() - start
@@ -267,7 +271,7 @@ class WorkerSide:
         for layer, done in enumerate(step.layers_done):
             if not done:
                 self._copy_out(step, layer)
-        self._mover.finish_saves()
+        self._copies.finish_saves()
         keys, positions, offset = [], [], 0
         for spec in step.specs:
             if spec.req_id not in failed_req_ids:
@@ -276,40 +280,25 @@ class WorkerSide:
             offset += len(spec.keys)
         if not keys:
             return
-        kv = step.kv if len(positions) == offset else step.kv[:, positions]
-        try:
-            self._saves.put_nowait((keys, kv))
-        except queue.Full:
-            with self._lock:
-                self._stats["dropped_blocks"] += len(keys)
-
-    def _drain_saves(self) -> None:
-        while (item := self._saves.get()) is not None:
-            keys, kv = item  # kv: [L, n, 2, H, T, D]
-            start = time.perf_counter()
-            try:
-                self.manager.put_many([(key, self.codec.encode(kv[:, i], key)) for i, key in enumerate(keys)])
-                with self._lock:
-                    self._stats["saved_blocks"] += len(keys)
-            except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request
-                log.exception("kvtier: saving %d blocks failed", len(keys))
-                with self._lock:
-                    self._stats["dropped_blocks"] += len(keys)
-            finally:
-                with self._lock:
-                    self._stats["save_write_seconds"] += time.perf_counter() - start
-                self._saves.task_done()
+        # step.kv: [L, n, 2, H, T, D]; each saved block a view [L, 2, H, T, D] of it (the save owns it)
+        self.mover.save(keys, [step.kv[:, i] for i in positions])
 
     def wait_saves(self) -> None:
-        self._saves.join()
+        self.mover.wait_saves()
 
     # -- stats and shutdown ----------------------------------------------------------------------
     def take_stats(self) -> dict[str, int | float]:
+        saves = self.mover.stats
+        seen, self._saves_seen = self._saves_seen, MoverStats(num_blocks_saved=saves.num_blocks_saved,
+                                                              num_blocks_dropped=saves.num_blocks_dropped,
+                                                              save_seconds=saves.save_seconds)
         with self._lock:
-            stats, self._stats = dict(self._stats), Counter()
-        return stats
+            stats, self._stats = self._stats, Counter()
+        stats["saved_blocks"] += saves.num_blocks_saved - seen.num_blocks_saved
+        stats["dropped_blocks"] += saves.num_blocks_dropped - seen.num_blocks_dropped
+        stats["save_write_seconds"] += saves.save_seconds - seen.save_seconds
+        return {name: value for name, value in stats.items() if value}
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
-        self._saves.put(None)
-        self._saver.join(timeout=30)
+        self.mover.close()

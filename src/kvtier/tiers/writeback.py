@@ -1,0 +1,81 @@
+"""Write-back: the tier stack's writes below the top tier, off the compute path, on one queue.
+
+Two kinds of batches go down the same queue: write-through (every block put into the top tier, so a
+second process on the same SSD or pool sees it) and demotion (a block the top tier evicted that no
+lower tier holds yet). Once write-through has placed a batch below, the top tier is told
+(`placed_below`): its later eviction returns the key alone — no bytes copied out, no lookup below.
+A full queue drops the batch (counted): the compute path never waits on a slow tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack:
+    """`guarded(tier, what, fn, fallback, writing=True)` is the manager's call into a tier (its write
+    lock, health). `threaded=False` writes on the caller's thread (tests, lookups-only stacks)."""
+
+    def __init__(self, tiers: list, guarded, *, threaded: bool = True, max_pending: int = 1024) -> None:
+        self.tiers = tiers
+        self._guarded = guarded
+        self.num_dropped = 0
+        self._queue: queue.Queue | None = None
+        if threaded and len(tiers) > 1:
+            self._queue = queue.Queue(max_pending)
+            self._thread = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
+            self._thread.start()
+
+    def submit(self, items: list[tuple[bytes, bytes]], *, through: bool) -> None:
+        """Write `items` to the lower tiers: `through` for blocks the top tier keeps (then marked
+        placed below), else a demotion of blocks it evicted."""
+        if len(self.tiers) < 2 or not items:
+            return
+        if self._queue is None:
+            self._write(items, through)
+            return
+        try:
+            self._queue.put_nowait((items, through))
+        except queue.Full:  # never block the compute path on a slow tier
+            self.num_dropped += len(items)
+
+    def _drain(self) -> None:
+        while True:
+            batch = self._queue.get()
+            try:
+                if batch is None:
+                    return
+                self._write(*batch)
+            except Exception:  # a failing tier must not kill the writer
+                log.exception("write to a lower tier failed")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, items: list[tuple[bytes, bytes]], through: bool) -> None:
+        keys = [k for k, _ in items]
+        placed = False
+        for tier in self.tiers[1:]:
+            held = self._guarded(tier, "contains", lambda t=tier: t.contains_many(keys), [True] * len(items),
+                                 writing=True)
+            new = [(k, d) for (k, d), h in zip(items, held) if not h]
+            if new:
+                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [], writing=True)
+            placed = placed or tier.health.writable
+        if through and placed:
+            top = self.tiers[0]
+            self._guarded(top, "placed_below", lambda: top.placed_below(keys), None, writing=True)
+
+    def flush(self) -> None:
+        if self._queue is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._queue = None

@@ -1,0 +1,197 @@
+"""`BlockMover`: the one way blocks move between the tier stack and an engine's KV memory.
+
+- restore (`restore` / `restoring`): the tier manager streams a match's blocks (`TierManager.stream`:
+  read where the lookup found them, the next chunk read ahead while this one is copied, each block
+  verified just before it is handed over, so its copy reads it from cache); the mover decodes each,
+  checks its shape, and hands it to the caller's `BlockSink.write(index, block)` — the only part that
+  differs per engine (vLLM's ExampleConnector keeps `inject_kv_into_layer` apart the same way). The
+  prefix ends at the first block missing, bad, of the wrong shape, or whose write raised; the
+  blocks before it stand. A block handed over may view a tier's memory (a leased DRAM slot, an SSD or
+  Mooncake read buffer) and stays valid until the restore ends, so a sink may gather the blocks and
+  write them layer by layer after the last (vLLM's layerwise loads: layer l ready before layer l+1).
+- save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into
+  the manager, off the caller's step; a full queue drops the save (a future miss, counted).
+  `synchronous=True` runs each save on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvtier.blocks import KVLayout
+from kvtier.codecs import Codec, CorruptBlockError
+from kvtier.tiers.manager import Leases, PrefixMatch, TierManager, VerifiedBlock, release
+
+log = logging.getLogger(__name__)
+
+
+class BlockSink(Protocol):
+    def write(self, index: int, block: torch.Tensor) -> None:
+        """Block `index` of the match, verified and decoded: [L, 2, H, T, D]. Valid until the restore
+        ends (a sink may keep it and write later, layer by layer). Raising ends the restore there."""
+
+
+@dataclass(slots=True)
+class Restored:
+    """What a restore put into the destination: the first `len(tiers)` blocks of the match."""
+
+    tiers: list[str] = field(default_factory=list)  # the tier each restored block came from
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+
+@dataclass(slots=True)
+class MoverStats:
+    num_restores: int = 0
+    num_blocks_restored: int = 0
+    restore_seconds: float = 0.0    # reading, verifying, decoding and the sink's writes
+    num_blocks_saved: int = 0
+    num_blocks_dropped: int = 0     # a full save queue, or a save that failed
+    save_seconds: float = 0.0       # encoding and the manager's put (the top tier; the rest is write-back)
+    errors: int = 0
+
+
+@dataclass(slots=True)
+class _Save:
+    keys: list[bytes]
+    blocks: Sequence[torch.Tensor]  # each [L, 2, H, T, D], on the CPU (owned by the save: copied off the step)
+    skip_held: bool
+
+
+class BlockMover:
+    """Restores and saves for one engine. `layout`: restored blocks must have its shape and dtype.
+    `max_pending_saves`: the save queue's bound (0: unbounded)."""
+
+    def __init__(self, manager: TierManager, codec: Codec, *, layout: KVLayout | None = None,
+                 max_pending_saves: int = 0, synchronous: bool = False) -> None:
+        self.manager = manager
+        self.codec = codec
+        self.layout = layout
+        self.stats = MoverStats()
+        self._lock = threading.Lock()  # the stats: restores and saves run on different threads
+        self._saves: queue.Queue | None = None
+        if not synchronous:
+            self._saves = queue.Queue(max_pending_saves)
+            self._saver = threading.Thread(target=self._drain, name="kvtier-save", daemon=True)
+            self._saver.start()
+
+    # -- restore -------------------------------------------------------------------------------------
+    def restore(self, match: PrefixMatch, sink: BlockSink) -> Restored:
+        """Stream `match` into `sink`; returns what was restored (the first blocks, maybe not all)."""
+        with self.restoring(match, sink) as restored:
+            return restored
+
+    @contextmanager
+    def restoring(self, match: PrefixMatch, sink: BlockSink) -> Iterator[Restored]:
+        """`restore`, with every block handed to the sink still valid inside the `with`: leased tier
+        memory is given back at its exit (a sink that writes layer by layer does it there)."""
+        start = time.perf_counter()
+        restored = Restored()
+        held: Leases = []
+        try:
+            with closing(self.manager.stream(match, hold=held)) as blocks:
+                for index, block in enumerate(blocks):
+                    kv = self._decode(block)
+                    if kv is None or not self._write(sink, index, kv):
+                        break
+                    restored.tiers.append(block.tier)
+            with self._lock:
+                self.stats.num_restores += 1
+                self.stats.num_blocks_restored += len(restored)
+                self.stats.restore_seconds += time.perf_counter() - start
+            yield restored
+        finally:
+            release(held)
+
+    def _decode(self, block: VerifiedBlock) -> torch.Tensor | None:
+        """The block's KV, or None (logged) if it does not decode to the expected shape."""
+        try:
+            kv = self.codec.decode_verified(block.header, block.payload)
+        except CorruptBlockError as exc:
+            log.warning("block %s from %s rejected (%s); recomputing from it", block.key.hex()[:12], block.tier, exc)
+            return None
+        layout = self.layout
+        if layout is not None and (tuple(kv.shape) != layout.block_shape or str(kv.dtype) != f"torch.{layout.dtype}"):
+            log.warning("block %s has shape %s %s, expected %s %s; recomputing from it", block.key.hex()[:12],
+                        tuple(kv.shape), kv.dtype, layout.block_shape, layout.dtype)
+            return None
+        return kv
+
+    def _write(self, sink: BlockSink, index: int, kv: torch.Tensor) -> bool:
+        try:
+            sink.write(index, kv)
+            return True
+        except Exception:  # noqa: BLE001 - the blocks written so far stand; the rest is computed
+            log.exception("writing a restored block into its destination failed after %d blocks", index)
+            with self._lock:
+                self.stats.errors += 1
+            return False
+
+    # -- save ----------------------------------------------------------------------------------------
+    def save(self, keys: list[bytes], blocks: Sequence[torch.Tensor], *, skip_held: bool = False) -> bool:
+        """Encode `blocks` (each [L, 2, H, T, D], the block `keys[i]` names) and put them down the
+        tiers, off the caller's thread. `skip_held`: first ask the tiers, write only what none holds.
+        False: the queue was full and the save is dropped (counted)."""
+        if not keys:
+            return True
+        job = _Save(list(keys), blocks, skip_held)
+        if self._saves is None:
+            self._save(job)
+            return True
+        try:
+            self._saves.put_nowait(job)
+            return True
+        except queue.Full:  # never stall a step on write-back
+            with self._lock:
+                self.stats.num_blocks_dropped += len(job.keys)
+            return False
+
+    def _drain(self) -> None:
+        while (job := self._saves.get()) is not None:
+            try:
+                self._save(job)
+            finally:
+                self._saves.task_done()
+        self._saves.task_done()
+
+    def _save(self, job: _Save) -> None:
+        start = time.perf_counter()
+        saved = dropped = errors = 0
+        try:
+            items = list(zip(job.keys, job.blocks))
+            if job.skip_held:
+                held = self.manager.contains_many(job.keys)
+                items = [item for item, is_held in zip(items, held) if not is_held]
+            if items:
+                self.manager.put_many([(key, self.codec.encode(block, key)) for key, block in items])
+            saved = len(items)
+        except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request
+            log.exception("saving %d blocks failed", len(job.keys))
+            dropped, errors = len(job.keys), 1
+        with self._lock:
+            self.stats.num_blocks_saved += saved
+            self.stats.num_blocks_dropped += dropped
+            self.stats.errors += errors
+            self.stats.save_seconds += time.perf_counter() - start
+
+    def wait_saves(self) -> None:
+        """Until every queued save is in the manager (its own lower-tier writes may still be pending)."""
+        if self._saves is not None:
+            self._saves.join()
+
+    def close(self) -> None:
+        if self._saves is not None:
+            self.wait_saves()
+            self._saves.put(None)
+            self._saver.join(timeout=30)
+            self._saves = None
