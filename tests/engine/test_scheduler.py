@@ -47,3 +47,25 @@ def test_preempted_sequence_keeps_its_full_blocks_and_recomputes_the_partial_one
     assert b.num_computed_tokens == 6 and b.num_tokens == 7
     assert b.block_keys == block_keys(scheduler.space, b.token_ids)[:1]
     assert b.cached_tokens_by_tier == {}  # hits count at the first admission only
+
+
+def test_a_sequences_blocks_are_hashed_once_however_long_it_waits_and_after_preemption(monkeypatch):
+    import kvtier.blocks
+
+    hashed = []
+    real = kvtier.blocks.chain_key
+    monkeypatch.setattr(kvtier.blocks, "chain_key", lambda parent, tokens: hashed.append(tuple(tokens)) or
+                        real(parent, tokens))
+    scheduler = make_scheduler(4)
+    a = Sequence("a", list(range(10, 23)), 13, SamplingParams(max_tokens=3, ignore_eos=True))  # the 4 blocks
+    b = Sequence("b", list(range(30, 39)), 9, SamplingParams(max_tokens=2, ignore_eos=True))   # 2 full blocks
+    scheduler.add(a), scheduler.add(b)
+    for _ in range(3):  # b waits while a holds the device: tried for admission every step
+        step(scheduler)
+        assert b.status is SeqStatus.WAITING
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert a.status is b.status is SeqStatus.FINISHED
+    # every full block of each sequence (prompt and generated) hashed exactly once
+    assert len(hashed) == len(set(hashed)) == len(a.block_keys) + len(b.block_keys) == 3 + 2
+    assert a.block_keys == block_keys(scheduler.space, a.token_ids)[:3]

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.blocks import KeySpace, block_keys, chain_key
+from kvtier.blocks import KeyChain, KeySpace
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.sequence import Sequence, SeqStatus
 from kvtier.engine.transfer import LoadJob
@@ -248,7 +248,7 @@ class Scheduler:
         if seq.host is not None:
             return self._admit_offloaded(seq, out)
         bm, block_tokens = self.block_manager, self.block_tokens
-        keys = block_keys(self._space(seq.namespace), seq.token_ids)
+        keys = self._keys(seq, len(seq.token_ids) // block_tokens)
         usable = (seq.num_tokens - 1) // block_tokens  # the last token is always computed (its logits)
         if seq.needs_prompt_logits:
             usable = 0  # prompt logprobs need the logits of every prompt position: no cache hit
@@ -299,7 +299,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_loading_blocks = 0
-        keys = block_keys(self._space(seq.namespace), seq.token_ids[:(len(seq.block_keys) + num_loaded) * self.block_tokens])
+        keys = self._keys(seq, len(seq.block_keys) + num_loaded)
         for block_id, key in zip(seq.block_ids[len(seq.block_keys):], keys[len(seq.block_keys):]):
             self.block_manager.register(block_id, key)
         seq.block_keys = keys
@@ -321,6 +321,13 @@ class Scheduler:
         for tier in tiers:
             seq.cached_tokens_by_tier[tier] = seq.cached_tokens_by_tier.get(tier, 0) + self.block_tokens
             self.prefix_hit_tokens_by_tier[tier] = self.prefix_hit_tokens_by_tier.get(tier, 0) + self.block_tokens
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The keys of `seq`'s first `num_blocks` full blocks, from its chain (each block hashed once in
+        its life: waiting, loading, registering and readmission after a preemption read the same list)."""
+        if seq.key_chain is None:
+            seq.key_chain = KeyChain(self._space(seq.namespace))
+        return seq.key_chain.extend(seq.token_ids, num_blocks)
 
     def _space(self, namespace: str) -> KeySpace:
         if namespace not in self._spaces:
@@ -360,8 +367,7 @@ class Scheduler:
         block_tokens = self.block_tokens
         while len(seq.block_keys) < seq.num_computed_tokens // block_tokens:
             i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else self._space(seq.namespace).root_key()
-            key = chain_key(parent, seq.token_ids[i * block_tokens:(i + 1) * block_tokens])
+            key = self._keys(seq, i + 1)[i]
             seq.block_keys.append(key)
             if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key):
                 self._newly_full.append((key, seq.block_ids[i]))

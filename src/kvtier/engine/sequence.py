@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvtier.blocks import KeyChain
     from kvtier.engine.offload import HostBlocks
 
 # what torch.Generator.manual_seed accepts (negative seeds are mapped onto the unsigned range)
@@ -129,6 +130,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None          # why it failed (finish_reason "error")
     admitted: bool = False
+    key_chain: "KeyChain | None" = None  # its block keys, grown with its tokens, never rehashed (scheduler)
     host: "HostBlocks | None" = None  # offloaded (longer than the device holds): its middle blocks in host memory
     # prompt_logprobs requested: one entry per prompt token computed so far (the first token's is None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
