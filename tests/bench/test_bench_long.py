@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtier.bench.long import (LongRow, LongSetup, RequestResult, agreement, make_prompts, passkey_prompt,
+from kvtier.bench.long import (LongRow, LongSetup, RequestResult, agreement, make_prompts, merge_rows, passkey_prompt,
                                refusal_message, render, targets)
 from kvtier.cli import main
 from kvtier.evals.passkey import is_correct
@@ -151,3 +151,11 @@ def test_bench_long_tiny_end_to_end(capsys, tmp_path):
     exact, sparse = rows[1], rows[2]
     assert exact.request_peak_device_kv_bytes <= 3 * exact.budget_bytes // 6  # sink + 2 recent blocks of 6
     assert sparse.fetched_bytes_per_token < exact.fetched_bytes_per_token
+
+
+def test_merge_rows_later_run_replaces_same_system_and_scenario():
+    first = fake_rows()
+    vllm_old, vllm_new = LongRow("vllm", "long", message="started"), LongRow("vllm", "long", message="ValueError: ...")
+    merged = merge_rows([[vllm_old] + first, [vllm_new]])
+    assert [(r.system, r.scenario) for r in merged] == [("vllm", "long")] + [(r.system, r.scenario) for r in first]
+    assert merged[0].message == "ValueError: ..."

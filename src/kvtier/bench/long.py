@@ -398,17 +398,20 @@ def run_vllm(loaded, setup: LongSetup, scenario: str, prompts: list[LongPrompt],
     """vLLM's CPU build with a KV space of the device budget and the model's whole context: it is
     expected to refuse at start; its message, verbatim. Should it start, the prompts are sent."""
     from kvtier import models
-    from kvtier.integrations.vllm.launch import VllmServer
+    from kvtier.integrations.vllm.launch import BLOCK_TOKENS, VllmServer
 
-    budget = setup.device_tokens * loaded.kv_layout(setup.block_tokens).bytes_per_token
+    # The budget is set in blocks: on the CPU platform VLLM_CPU_KVCACHE_SPACE (GiB, which the launcher
+    # sets) overrides --kv-cache-memory-bytes (vllm/platforms/cpu.py); the blocks override applies after.
+    num_blocks = setup.device_tokens // BLOCK_TOKENS
+    budget = num_blocks * BLOCK_TOKENS * loaded.kv_layout(setup.block_tokens).bytes_per_token
     row = LongRow("vllm", scenario, budget_bytes=budget, device_kv_bytes=budget)
     context = int(loaded.model.config.max_position_embeddings)
     server = VllmServer(models.cache_dir() / "smollm2-135m-instruct", log_dir / f"vllm-{scenario}.log",
-                        extra_args=("--kv-cache-memory-bytes", str(budget)), max_model_len=context)
+                        extra_args=("--num-gpu-blocks-override", str(num_blocks)), max_model_len=context)
     start = time.perf_counter()
     try:
         with server:
-            row.message = f"started (KV space {budget:,} B, --max-model-len {context})"
+            row.message = f"started ({num_blocks} blocks of {BLOCK_TOKENS} tokens, --max-model-len {context})"
             for prompt in prompts:
                 t0 = time.perf_counter()
                 try:
@@ -419,8 +422,9 @@ def run_vllm(loaded, setup: LongSetup, scenario: str, prompts: list[LongPrompt],
                 except RuntimeError as exc:
                     row.requests.append(RequestResult(len(prompt.token_ids), [], prompt.passkey, "", False, math.nan,
                                                       "error", str(exc)[:500]))
-    except RuntimeError as exc:
-        row.message = refusal_message(str(exc))
+    except RuntimeError as exc:  # the reason is in the log, above the traceback's tail the exception carries
+        log_text = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        row.message = refusal_message(log_text or str(exc))
     row.wall_s = time.perf_counter() - start
     return row
 
@@ -520,7 +524,8 @@ def targets(rows: list[LongRow]) -> list[Target]:
     offloaded = [r for r in rows if r.within_budget is not None and r.requests]
     worst = max((max(r.device_kv_bytes, r.peak_device_kv_used_bytes, r.request_peak_device_kv_bytes) / r.budget_bytes
                  for r in offloaded), default=math.nan)
-    out.append(Target("peak device KV <= budget (exact, sparse)", f"{worst:.0%} of the budget at most", "<= 100%",
+    out.append(Target("peak device KV <= budget (exact, sparse)",
+                      "-" if math.isnan(worst) else f"{worst:.0%} of the budget at most", "<= 100%",
                       all(r.within_budget for r in offloaded) if offloaded else None))
     exact_rows = [r for r in rows if r.system == "exact" and r.identical is not None]
     out.append(Target("exact token-identical to the reference",
@@ -528,17 +533,19 @@ def targets(rows: list[LongRow]) -> list[Target]:
                       "identical", all(r.identical for r in exact_rows) if exact_rows else None))
     ref, exact = _find(rows, "reference", "long"), _find(rows, "exact", "long")
     ratio = exact.decode_tokens_per_s / ref.decode_tokens_per_s if ref and exact else math.nan
-    out.append(Target("exact decode tok/s vs reference (long)", f"{ratio:.0%}", ">= 50%",
+    out.append(Target("exact decode tok/s vs reference (long)", "-" if math.isnan(ratio) else f"{ratio:.0%}", ">= 50%",
                       ratio >= 0.5 if not math.isnan(ratio) else None))
     copy = exact.copy_gb_s / exact.strided_copy_gb_s if exact and exact.strided_copy_gb_s else math.nan
-    out.append(Target("exact copy vs warm strided copy of the same bytes (long)", f"{copy:.0%}", ">= 80%",
+    out.append(Target("exact copy vs warm strided copy of the same bytes (long)", "-" if math.isnan(copy) else f"{copy:.0%}",
+                      ">= 80%",
                       copy >= 0.8 if not math.isnan(copy) else None))
     name = _sparse_name(rows, Fraction(1, 8))
     for scenario in SCENARIOS:
         sparse, ex = (_find(rows, name, scenario) if name else None), _find(rows, "exact", scenario)
         share = sparse.fetched_bytes_per_token / ex.fetched_bytes_per_token if sparse and ex and \
             ex.fetched_bytes_per_token else math.nan
-        out.append(Target(f"sparse 1/8 bytes per decode token vs exact ({scenario})", f"{share:.2%}", "<= 12.5%",
+        out.append(Target(f"sparse 1/8 bytes per decode token vs exact ({scenario})",
+                          "-" if math.isnan(share) else f"{share:.2%}", "<= 12.5%",
                           share <= 0.125 + 1e-9 if not math.isnan(share) else None))
     concurrent = [r for r in rows if r.scenario == "concurrent" and r.system.startswith(("exact", "sparse"))
                   and r.requests]
@@ -642,13 +649,15 @@ def add_command(bench) -> None:
              as_json: bool = typer.Option(False, "--json", help="the rows as JSON on stdout"),
              save: Path = typer.Option(None, help="write the rows as JSON here after each system"),
              plot_path: Path = typer.Option(None, "--plot", help="write a PNG"),
-             log_dir: Path = typer.Option(None, help="where vLLM's log goes (default: a temp dir)")) -> None:
+             log_dir: Path = typer.Option(None, help="where vLLM's log goes (default: a temp dir)"),
+             from_json: list[Path] = typer.Option(None, help="render saved rows (--save files, in order; a later "
+                                                           "file's row replaces an earlier one of the same system "
+                                                           "and scenario) instead of running")) -> None:
         """Contexts larger than the device: one long request, then concurrent ones, on a small device
         KV budget — vLLM, kvtier exact and sparse offload, and everything on the device."""
         import os
 
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         from kvtier.engine.offload import parse_offload
         from kvtier.errors import UserError
@@ -667,20 +676,10 @@ def add_command(bench) -> None:
                           block_tokens, sink_blocks, recent_blocks, fetch_blocks, systems=names, scenarios=chosen,
                           model=model)
         console = Console(stderr=True)
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} "
-                      "tokens"), TimeElapsedColumn(), console=console, disable=not console.is_terminal) as bar:
-            tasks: dict[str, int] = {}
-            last_logged: dict[str, int] = {}
-
-            def progress(label: str, done: int, total: int) -> None:
-                if label not in tasks:
-                    tasks[label] = bar.add_task(label, total=total)
-                bar.update(tasks[label], completed=done)
-                if not console.is_terminal and done - last_logged.get(label, -total) >= max(total // 10, 1):
-                    last_logged[label] = done
-                    console.log(f"{label}: {done:,}/{total:,} tokens computed")
-
-            rows = run(setup, progress=progress, log=console.log, save=save, log_dir=log_dir)
+        if from_json:
+            rows = merge_rows([[LongRow.from_dict(d) for d in json.loads(p.read_text())] for p in from_json])
+        else:
+            rows = _run_with_progress(setup, console, save, log_dir)
         title = (f"kvtier bench long: SmolLM2 fp32 KV, device budget {device_tokens} tokens ({block_tokens}-token "
                  f"blocks), {long_tokens}-token request, {concurrent} x {concurrent_tokens}; {os.cpu_count()} CPUs, "
                  f"load average {os.getloadavg()[0]:.1f}")
@@ -692,3 +691,32 @@ def add_command(bench) -> None:
         else:
             print(render(rows))
         sys.stdout.flush()
+
+
+def merge_rows(files: list[list[LongRow]]) -> list[LongRow]:
+    """Rows of several runs: a later run's row replaces the same (system, scenario) of an earlier one."""
+    merged: dict[tuple[str, str], LongRow] = {}
+    for rows in files:
+        for row in rows:
+            merged[(row.system, row.scenario)] = row
+    return list(merged.values())
+
+
+def _run_with_progress(setup: LongSetup, console, save: Path | None, log_dir: Path | None) -> list[LongRow]:
+    """`run`, its progress as bars on a terminal, as a line per tenth of each system's tokens in a log."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} "
+                  "tokens"), TimeElapsedColumn(), console=console, disable=not console.is_terminal) as bar:
+        tasks: dict[str, int] = {}
+        last_logged: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done)
+            if not console.is_terminal and done - last_logged.get(label, -total) >= max(total // 10, 1):
+                last_logged[label] = done
+                console.log(f"{label}: {done:,}/{total:,} tokens computed")
+
+        return run(setup, progress=progress, log=console.log, save=save, log_dir=log_dir)
