@@ -462,8 +462,14 @@ def run(setup: LongSetup, *, progress: Callable[[str, int, int], None] = lambda 
             if setup.model == "smollm2" else "vllm skipped: it serves SmolLM2 only here")
         names.remove("vllm")
     rows: list[LongRow] = []
+    context = int(loaded.model.config.max_position_embeddings)
     for scenario in setup.scenarios:
-        prompts = make_prompts(encode, text, setup.prompt_lengths(scenario), setup.seed)
+        lengths = setup.prompt_lengths(scenario)
+        if max(lengths) + setup.max_tokens > context:  # "an 8k request": prompt + generated within the context
+            log(f"{scenario}: {max(lengths)}-token prompts + {setup.max_tokens} generated exceed the {context}-token "
+                f"context: prompts of {context - setup.max_tokens} tokens")
+            lengths = [min(n, context - setup.max_tokens) for n in lengths]
+        prompts = make_prompts(encode, text, lengths, setup.seed)
         reference: LongRow | None = None
         for name in names:
             log(f"{name} / {scenario}: {len(prompts)} x {len(prompts[0].token_ids)} prompt tokens, "
@@ -573,7 +579,8 @@ def render(rows: list[LongRow]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.requests:
-            lines.append(f"| {r.scenario} | {r.system} | {r.message} |" + " |" * 11)
+            said = "refused at start (its message below)" if r.system == "vllm" and "Error" in r.message else r.message
+            lines.append(f"| {r.scenario} | {r.system} | {said} |" + " |" * 11)
             continue
         agree = ("(reference)" if r.system == "reference" else
                  ", ".join(f"{a:.0%}" for a in r.agreement) if r.agreement else "-")
