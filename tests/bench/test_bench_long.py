@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from kvtier.bench.long import (LongRow, LongSetup, RequestResult, agreement, make_prompts, merge_rows, passkey_prompt,
-                               refusal_message, render, targets)
+from kvtier.bench.long import (LongRow, LongSetup, RequestResult, agreement, compare_to_reference, make_prompts,
+                               merge_rows, passkey_prompt, refusal_message, render, targets)
 from kvtier.cli import main
 from kvtier.evals.passkey import is_correct
 
@@ -159,3 +159,15 @@ def test_merge_rows_later_run_replaces_same_system_and_scenario():
     merged = merge_rows([[vllm_old] + first, [vllm_new]])
     assert [(r.system, r.scenario) for r in merged] == [("vllm", "long")] + [(r.system, r.scenario) for r in first]
     assert merged[0].message == "ValueError: ..."
+
+
+def test_compare_to_reference_across_saved_runs():
+    ref = row("reference", "long")
+    other = row("exact", "long")
+    other.agreement = []
+    other.requests[0].token_ids = [1, 2, 9]
+    shorter = row("sparse:1/8", "long")
+    shorter.agreement = []
+    shorter.requests[0].prompt_tokens = 50  # another run's prompts: not comparable
+    compare_to_reference([other, ref, shorter])
+    assert other.agreement == [pytest.approx(2 / 3)] and shorter.agreement == []

@@ -223,6 +223,17 @@ def agreement(tokens: list[int], reference: list[int]) -> float:
     return same / len(reference)
 
 
+def compare_to_reference(rows: list[LongRow]) -> None:
+    """Fill each row's `agreement` from the `reference` row of its scenario run on the same prompts
+    (the same number of requests of the same lengths: prompts are deterministic, so rows saved by
+    different runs compare too)."""
+    for ref in [r for r in rows if r.system == "reference" and r.requests]:
+        lengths = [q.prompt_tokens for q in ref.requests]
+        for row in rows:
+            if row is not ref and row.scenario == ref.scenario and [q.prompt_tokens for q in row.requests] == lengths:
+                row.agreement = [agreement(q.token_ids, r.token_ids) for q, r in zip(row.requests, ref.requests)]
+
+
 # -- the copies a fetch is held against -------------------------------------------------------------
 class CopyClock:
     """Times the fetch area's gathers (on whichever thread runs them): bytes and seconds since `reset`."""
@@ -470,7 +481,6 @@ def run(setup: LongSetup, *, progress: Callable[[str, int, int], None] = lambda 
                 f"context: prompts of {context - setup.max_tokens} tokens")
             lengths = [min(n, context - setup.max_tokens) for n in lengths]
         prompts = make_prompts(encode, text, lengths, setup.seed)
-        reference: LongRow | None = None
         for name in names:
             log(f"{name} / {scenario}: {len(prompts)} x {len(prompts[0].token_ids)} prompt tokens, "
                 f"{setup.max_tokens} generated each")
@@ -484,13 +494,9 @@ def run(setup: LongSetup, *, progress: Callable[[str, int, int], None] = lambda 
                     row = run_engine(loaded, setup, name, scenario, prompts, decode, progress)
                 except Exception as exc:  # noqa: BLE001 - a system that fails is a row that says so
                     row = LongRow(name, scenario, message=f"failed: {type(exc).__name__}: {exc}")
-            if name == "reference":
-                reference = row
-            if reference is not None and row.requests and len(reference.requests) == len(row.requests):
-                row.agreement = [agreement(r.token_ids, ref.token_ids)
-                                 for r, ref in zip(row.requests, reference.requests)]
-            log(summary_line(row))
             rows.append(row)
+            compare_to_reference(rows)
+            log(summary_line(row))
             if save is not None:
                 save.write_text(json.dumps([r.to_dict() for r in rows], indent=1))
     return rows
@@ -685,6 +691,7 @@ def add_command(bench) -> None:
         console = Console(stderr=True)
         if from_json:
             rows = merge_rows([[LongRow.from_dict(d) for d in json.loads(p.read_text())] for p in from_json])
+            compare_to_reference(rows)
         else:
             rows = _run_with_progress(setup, console, save, log_dir)
         title = (f"kvtier bench long: SmolLM2 fp32 KV, device budget {device_tokens} tokens ({block_tokens}-token "
