@@ -228,6 +228,7 @@ def compare_to_reference(rows: list[LongRow]) -> None:
     (the same number of requests of the same lengths: prompts are deterministic, so rows saved by
     different runs compare too)."""
     for ref in [r for r in rows if r.system == "reference" and r.requests]:
+        ref.agreement = []
         lengths = [q.prompt_tokens for q in ref.requests]
         for row in rows:
             if row is not ref and row.scenario == ref.scenario and [q.prompt_tokens for q in row.requests] == lengths:
@@ -638,6 +639,10 @@ def plot(rows: list[LongRow], path: str | Path, title: str) -> None:
         if log_scale:
             ax.set_yscale("symlog", linthresh=1)
         ax.legend(fontsize=7)
+    refused = [r for r in rows if r.system == "vllm" and not r.requests]
+    if refused:
+        axes[0].text(0.02, 0.97, "vLLM at this budget: refused at start", transform=axes[0].transAxes, va="top",
+                     fontsize=8, color="#a00")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -695,8 +700,8 @@ def add_command(bench) -> None:
         else:
             rows = _run_with_progress(setup, console, save, log_dir)
         title = (f"kvtier bench long: SmolLM2 fp32 KV, device budget {device_tokens} tokens ({block_tokens}-token "
-                 f"blocks), {long_tokens}-token request, {concurrent} x {concurrent_tokens}; {os.cpu_count()} CPUs, "
-                 f"load average {os.getloadavg()[0]:.1f}")
+                 f"blocks), {long_tokens}-token request, {concurrent} x {concurrent_tokens}; {os.cpu_count()} CPUs"
+                 + ("" if from_json else f", load average {os.getloadavg()[0]:.1f}"))
         if plot_path:
             plot(rows, plot_path, title)
             console.log(f"plot written to {plot_path}")
