@@ -718,7 +718,15 @@ def merge_rows(files: list[list[LongRow]]) -> list[LongRow]:
     for rows in files:
         for row in rows:
             merged[(row.system, row.scenario)] = row
-    return list(merged.values())
+    return sorted(merged.values(), key=_row_order)
+
+
+def _row_order(row: LongRow) -> tuple:
+    """Scenario, then vllm, reference, exact, sparse by budget."""
+    kind = row.system.partition(":")[0]
+    budget = float(Fraction(row.system[7:])) if kind == "sparse" else 0.0
+    rank = {"vllm": 0, "reference": 1, "exact": 2}.get(kind, 3)
+    return (SCENARIOS.index(row.scenario) if row.scenario in SCENARIOS else 9, rank, budget)
 
 
 def _run_with_progress(setup: LongSetup, console, save: Path | None, log_dir: Path | None) -> list[LongRow]:
