@@ -72,6 +72,10 @@ def register(app: typer.Typer) -> None:
 
     add_vllm_command(bench)
 
+    from kvtier.bench.long import add_command as add_long_command
+
+    add_long_command(bench)
+
 
 def _met(fraction: float, target: float) -> str:
     return "met" if fraction >= target else "NOT met"
