@@ -42,11 +42,12 @@ def test_smollm2_window_host_and_step_bytes():
     assert o.exact.link_bytes_per_step == 1_321_205_760
     assert o.exact.fetch_area_bytes_per_gpu == 2 * 8 * 7168 * SMOL_TOKEN / 30 == 88_080_384
     assert o.exact.summary_bytes_per_gpu == 0
-    # sparse 1/8: ceil(28 / 8) = 4 blocks; Quest min/max = 2 x 64 fp16 values per block, layer and KV head
-    assert o.sparse.name == "sparse 1/8" and o.sparse.fetched_blocks_per_request == 4
-    assert o.sparse.link_bytes_per_step == 8 * 4 * 256 * SMOL_TOKEN == 188_743_680
+    # sparse 1/8: floor(28 / 8) = 3 blocks (a cap, as the engine's); Quest min/max = 2 x 64 fp16 values per
+    # block, layer and KV head
+    assert o.sparse.name == "sparse 1/8" and o.sparse.fetched_blocks_per_request == 3
+    assert o.sparse.link_bytes_per_step == 8 * 3 * 256 * SMOL_TOKEN == 141_557_760
     assert o.sparse.summary_bytes_per_gpu == 8 * 28 * 30 * 3 * 2 * 64 * 2 == 5_160_960
-    assert o.sparse.fetch_area_bytes_per_gpu == 2 * 8 * 4 * 256 * SMOL_TOKEN / 30
+    assert o.sparse.fetch_area_bytes_per_gpu == 2 * 8 * 3 * 256 * SMOL_TOKEN / 30
     assert o.exact.fits_device and o.sparse.fits_device
 
 
@@ -58,10 +59,10 @@ def test_smollm2_decode_bounds():
     assert o.exact.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 2 * 7168 * SMOL_TOKEN)
     assert o.exact.hbm_tokens_per_s == hbm / o.exact.hbm_bytes_per_step
     assert o.sparse.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 28 * 30 * 3 * 2 * 64 * 2
-                                                                + 2 * 1024 * SMOL_TOKEN)
+                                                                + 2 * 768 * SMOL_TOKEN)
     for name, link in LINKS.items():
         assert o.exact.tokens_per_s_by_link[name] == min(o.exact.hbm_tokens_per_s, link.bytes_s / 1_321_205_760)
-        assert o.sparse.tokens_per_s_by_link[name] == min(o.sparse.hbm_tokens_per_s, link.bytes_s / 188_743_680)
+        assert o.sparse.tokens_per_s_by_link[name] == min(o.sparse.hbm_tokens_per_s, link.bytes_s / 141_557_760)
     assert o.exact.tokens_per_s_by_link["pcie5-x16"] == 64e9 / 1_321_205_760  # the link binds
     # buy GPUs: the existing sizing's cluster, one request per replica here
     assert (o.all_on_device_gpus, o.gpus_to_buy) == (r.gpus, r.gpus - 1) == (8, 7)
@@ -75,11 +76,11 @@ def test_llama_3_70b_tp8_exact_bytes():
     assert o.host_bytes_per_request == 8 * 130048 * LLAMA70_TOKEN_RANK == 42_614_128_640
     assert o.host_bytes_total == 32 * 42_614_128_640 and o.fits_host  # 1.24 TiB of 1.6 TiB
     assert o.exact.link_bytes_per_step == 32 * 130048 * LLAMA70_TOKEN_RANK == 170_456_514_560  # per GPU
-    assert o.sparse.fetched_blocks_per_request == 64
-    assert o.sparse.link_bytes_per_step == 32 * 64 * 256 * LLAMA70_TOKEN_RANK == 21_474_836_480
+    assert o.sparse.fetched_blocks_per_request == 63  # floor(508 / 8)
+    assert o.sparse.link_bytes_per_step == 32 * 63 * 256 * LLAMA70_TOKEN_RANK == 21_139_292_160
     assert o.sparse.summary_bytes_per_gpu == 32 * 508 * 80 * 1 * 2 * 128 * 2 == 665_845_760
     assert o.exact.tokens_per_s_by_link["pcie5-x16"] == 64e9 / 170_456_514_560
-    assert o.sparse.tokens_per_s_by_link["rdma-400g"] == 50e9 / 21_474_836_480
+    assert o.sparse.tokens_per_s_by_link["rdma-400g"] == 50e9 / 21_139_292_160
     assert o.exact.fits_device and o.sparse.fits_device
     assert (o.all_on_device_gpus, o.gpus_to_buy) == (32, 24)
 
@@ -169,7 +170,7 @@ def test_cli_json_offload(capsys):
     o = out["offload"]
     assert o["window_blocks"] == 8 and o["off_device_tokens_per_request"] == 6144
     assert o["host_bytes_per_request"] == 6144 * SMOL_TOKEN
-    assert o["sparse"]["name"] == "sparse 1/16" and o["sparse"]["fetched_blocks_per_request"] == 2
+    assert o["sparse"]["name"] == "sparse 1/16" and o["sparse"]["fetched_blocks_per_request"] == 1  # floor(24 / 16)
     assert o["exact"]["link_bytes_per_step"] == 8 * 6144 * SMOL_TOKEN
     fits = json.loads(_run(capsys, "--model", "smollm2", "--json"))
     assert fits["fits"] and fits["offload"] is None

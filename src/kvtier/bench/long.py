@@ -37,7 +37,6 @@ import math
 import random
 import statistics
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
@@ -237,28 +236,16 @@ def compare_to_reference(rows: list[LongRow]) -> None:
 
 # -- the copies a fetch is held against -------------------------------------------------------------
 class CopyClock:
-    """Times the fetch area's gathers (on whichever thread runs them): bytes and seconds since `reset`."""
+    """The fetch area's own copy counters (`FetchArea.copied_bytes` / `copy_seconds`, kept on whichever
+    thread copies): bytes and seconds since the last `take`."""
 
     def __init__(self, fetch) -> None:
-        self._lock = threading.Lock()
-        self.num_bytes, self.seconds = 0, 0.0
-        for name in ("gather", "gather_heads"):
-            setattr(fetch, name, self._timed(getattr(fetch, name)))
-
-    def _timed(self, gather):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = gather(*args, **kwargs)
-            seconds = time.perf_counter() - start
-            with self._lock:
-                self.num_bytes += out.numel() * out.element_size()
-                self.seconds += seconds
-            return out
-        return timed
+        self.fetch = fetch
+        self._seen = (fetch.copied_bytes, fetch.copy_seconds)
 
     def take(self) -> tuple[int, float]:
-        with self._lock:
-            out, self.num_bytes, self.seconds = (self.num_bytes, self.seconds), 0, 0.0
+        now = (self.fetch.copied_bytes, self.fetch.copy_seconds)
+        out, self._seen = (now[0] - self._seen[0], now[1] - self._seen[1]), now
         return out
 
 
@@ -410,7 +397,7 @@ def run_vllm(loaded, setup: LongSetup, scenario: str, prompts: list[LongPrompt],
     """vLLM's CPU build with a KV space of the device budget and the model's whole context: it is
     expected to refuse at start; its message, verbatim. Should it start, the prompts are sent."""
     from kvtier import models
-    from kvtier.integrations.vllm.launch import BLOCK_TOKENS, VllmServer
+    from kvtier.testing.vllm import BLOCK_TOKENS, VllmServer
 
     # The budget is set in blocks: on the CPU platform VLLM_CPU_KVCACHE_SPACE (GiB, which the launcher
     # sets) overrides --kv-cache-memory-bytes (vllm/platforms/cpu.py); the blocks override applies after.
@@ -457,7 +444,7 @@ def run(setup: LongSetup, *, progress: Callable[[str, int, int], None] = lambda 
         log: Callable[[str], None] = print, save: Path | None = None, log_dir: Path | None = None) -> list[LongRow]:
     from kvtier import models
     from kvtier.data import SHAKESPEARE, shared_data_file
-    from kvtier.integrations.vllm.launch import VLLM_PYTHON
+    from kvtier.testing.vllm import VLLM_PYTHON
 
     loaded = models.load(setup.model, device="cpu")
     tokenizer = loaded.tokenizer

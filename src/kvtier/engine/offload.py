@@ -58,10 +58,11 @@ class OffloadMode:
                              f"got {self.budget}")
 
     def num_fetched(self, num_host_blocks: int) -> int:
-        """Host blocks attended to per layer and KV head."""
+        """Host blocks attended to per layer and KV head. A fraction is a cap (rounded down, at least
+        one block): `sparse:1/8` never moves more than 1/8 of what exact moves."""
         if self.kind == "exact" or num_host_blocks == 0:
             return num_host_blocks
-        wanted = math.ceil(self.budget * num_host_blocks) if self.budget < 1 else int(self.budget)
+        wanted = math.floor(self.budget * num_host_blocks) if self.budget < 1 else int(self.budget)
         return max(1, min(num_host_blocks, wanted))
 
     def __str__(self) -> str:

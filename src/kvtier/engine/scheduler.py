@@ -256,7 +256,7 @@ class Scheduler:
         num_needed = -(-seq.num_tokens // block_tokens) - len(device_ids)
         num_revived = sum(1 for b in device_ids if bm.ref_counts[b] == 0)
         # keep a block per active sequence in reserve for their next decode
-        if bm.num_free_blocks - num_revived < num_needed + self.num_active:
+        if bm.num_free_blocks - num_revived < num_needed + self._num_reserved_blocks():
             return False
         match = None
         if self.match_tiers is not None and usable > len(device_ids):
@@ -277,12 +277,19 @@ class Scheduler:
             self._start_running(seq)
         return True
 
+    def _num_reserved_blocks(self) -> int:
+        """Blocks kept free for the active sequences: one each for a next decode, and what an offloaded
+        sequence's window still lacks (a full window moves on without a net new block)."""
+        window = self.sink_blocks + self.recent_blocks
+        return sum(1 if seq.host is None else max(0, window - sum(1 for b in seq.block_ids if b >= 0))
+                   for seq in [*self.running, *self.loading.values()])
+
     def _admit_offloaded(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A sequence longer than the device: admitted once its whole window fits beside the other
         active sequences' reserve; its prompt is computed from the start (no prefix reuse yet), chunk
         by chunk, its blocks allocated per chunk (`_window_chunk`)."""
         window = self.sink_blocks + self.recent_blocks
-        if self.block_manager.num_free_blocks < window + self.num_active:
+        if self.block_manager.num_free_blocks < window + self._num_reserved_blocks():
             return False
         seq.block_ids, seq.block_keys, seq.num_computed_tokens = [], [], 0
         self._start_running(seq)

@@ -5,7 +5,7 @@ window (the open block included). Every other block lives off the device (host D
 - exact: every off-device block crosses the link at every decode step, layer by layer (layer l+1's copy
   overlapping layer l's compute): a step moves all off-device KV of every request on the GPU.
 - sparse (Quest): a per-block key summary on the device, per-channel min and max (2 x d_head 16-bit values per
-  block, layer and KV head), picks ceil(fraction x off-device blocks) blocks per layer and KV head; only those
+  block, layer and KV head), picks floor(fraction x off-device blocks) (at least one) blocks per layer and KV head; only those
   cross the link. The summaries never cross it: they are read from HBM at every step.
 Fetch area: one layer of what a step fetches for all requests of the GPU, double-buffered.
 Decode: a step yields one token per request and lasts at least max(link bytes / link bandwidth,
@@ -158,7 +158,8 @@ def plan_offload(result: PlanResult, model: ModelSpec, gpu: GPUSpec, options: Of
     kv_rank = model.kv_bytes(result.context, kv_dtype, tp)
     window_rank = kv_rank - host_rank
     # 0.1 x 30 is 3.0000000000000004 in floats: count in the fraction the user meant
-    sparse_blocks = math.ceil(Fraction(options.sparse_fraction).limit_denominator(1 << 20) * off_blocks)
+    # a cap, as the engine's `OffloadMode.num_fetched`: rounded down, at least one block
+    sparse_blocks = max(1, math.floor(Fraction(options.sparse_fraction).limit_denominator(1 << 20) * off_blocks))
     exact = _mode("exact", result, model, gpu, window_rank=window_rank, fetched_blocks=off_blocks,
                   fetched_rank=host_rank, summary_rank=0.0)
     sparse = _mode(f"sparse {_fraction_label(options.sparse_fraction)}", result, model, gpu,
