@@ -172,8 +172,13 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
         if raw.passkey_acc is not None:
             right.axhline(100 * raw.passkey_acc, color="black", linestyle=":", label="full attention")
     left.set_yscale("symlog", linthresh=1.0)
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
     for ax in (left, right):
         ax.set_xscale("log", base=2)
+        ax.set_xticks([1, 2, 4, 8, 16, 32, 64, 100])
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     left.set(xlabel="context attended per decode step (%)", ylabel="Δ perplexity % (symlog)", title="Perplexity cost")
