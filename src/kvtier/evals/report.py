@@ -180,7 +180,8 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     left.set(xlabel="context attended per decode step (%)", ylabel="Δ perplexity % (symlog)", title="Perplexity cost")
     right.set(xlabel="context attended per decode step (%)", ylabel="passkey accuracy %", title="Passkey retrieval",
               ylim=(-5, 105))
