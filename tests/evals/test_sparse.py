@@ -89,10 +89,12 @@ def test_parse_methods_expands_sparse_to_the_offload_budgets():
     from kvtier.evals.runner import parse_methods
 
     methods = parse_methods("sparse,sparse:4,h2o", "1/8", offload_budgets="1/32,1/8", block_tokens=16)
-    assert [m.label for m in methods] == ["raw", "sparse-1/32", "sparse-1/8", "sparse-4", "h2o@0.125"]
+    assert [m.label for m in methods] == ["raw", "sparse-1/32-b16", "sparse-1/8-b16", "sparse-4-b16", "h2o@0.125"]
     assert methods[2].sparse_window == SparseWindow(parse_offload("sparse:1/8"), block_tokens=16)
     with pytest.raises(UserError, match="sparse"):
         parse_methods("sparse:2.5", "0.5")
+    [_, wide] = parse_methods("sparse:1/8", "0.5", block_tokens=16, recent_blocks=8)
+    assert wide.label == "sparse-1/8-b16-r8" and wide.sparse_window.recent_blocks == 8
 
 
 def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):
@@ -107,8 +109,8 @@ def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):
                   "--json"])
     assert exc.value.code == 0
     rows = {r["label"]: r for r in json.loads(capsys.readouterr().out)}
-    assert list(rows) == ["raw", "sparse-1/4", "sparse-1000", "streamingllm@0.25"]
-    raw, quarter, whole = rows["raw"], rows["sparse-1/4"], rows["sparse-1000"]
+    assert list(rows) == ["raw", "sparse-1/4-b8", "sparse-1000-b8", "streamingllm@0.25"]
+    raw, quarter, whole = rows["raw"], rows["sparse-1/4-b8"], rows["sparse-1000-b8"]
     assert all(r["error"] is None for r in rows.values())
     assert whole["delta_ppl_pct"] == pytest.approx(0.0, abs=1e-3)  # every block fetched: full attention
     assert whole["passkey_acc"] == raw["passkey_acc"]

@@ -40,7 +40,9 @@ def register(app: typer.Typer) -> None:
         offload_budgets: str = typer.Option("1/32,1/16,1/8,1/4", help="sparse offload fetch budgets: fractions of "
                                                                        "the host blocks, or numbers of blocks"),
         offload_block_tokens: int = typer.Option(64, help="sparse offload: tokens per block (the engine's "
-                                                          "--block-tokens); 1 sink + 2 recent blocks stay on the device"),
+                                                          "--block-tokens); 1 sink block stays on the device"),
+        offload_recent_blocks: int = typer.Option(2, help="sparse offload: recent blocks on the device (the open "
+                                                          "block and those before it; the engine's default 2)"),
         context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
                                                  "('' to skip perplexity)"),
         windows: int = typer.Option(2, help="perplexity windows per context length"),
@@ -68,7 +70,7 @@ def register(app: typer.Typer) -> None:
         # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
         snapkv_window = snapkv_window if snapkv_window is not None else "question"
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
-                         snapkv_window, offload_budgets, offload_block_tokens, score_tokens)
+                         snapkv_window, offload_budgets, offload_block_tokens, score_tokens, offload_recent_blocks)
         if text is None:
             from kvtier.data import SHAKESPEARE, shared_data_file
 
@@ -114,7 +116,8 @@ def _protocol(config) -> str:
 
 
 def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window,
-            offload_budgets="1/32,1/16,1/8,1/4", offload_block_tokens=64, score_tokens=None):
+            offload_budgets="1/32,1/16,1/8,1/4", offload_block_tokens=64, score_tokens=None,
+            offload_recent_blocks=2):
     if str(snapkv_window) != "question":
         try:
             snapkv_window = int(snapkv_window)
@@ -122,8 +125,8 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
             raise UserError(f"--snapkv-window takes a token count or 'question', got {snapkv_window!r}") from None
         if snapkv_window < 1:
             raise UserError("--snapkv-window must be positive")
-    if windows < 1 or chunk < 1 or offload_block_tokens < 1:
-        raise UserError("--windows, --chunk and --offload-block-tokens must be positive")
+    if windows < 1 or chunk < 1 or offload_block_tokens < 1 or offload_recent_blocks < 1:
+        raise UserError("--windows, --chunk, --offload-block-tokens and --offload-recent-blocks must be positive")
     contexts = runner.parse_ints(context, "--context")
     if score_tokens is not None and not all(0 < score_tokens < ctx for ctx in contexts):
         raise UserError("--score-tokens must be positive and shorter than every --context")
@@ -131,7 +134,8 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UserError("--passkey-depths must be fractions in [0, 1]")
     return runner.EvalConfig(
-        methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, offload_block_tokens),
+        methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, offload_block_tokens,
+                                     offload_recent_blocks),
         context_tokens=contexts, num_windows=windows, chunk_tokens=chunk, score_tokens=score_tokens,
         passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
         passkey_depths=depths)

@@ -34,6 +34,7 @@ from kvtier.engine.offload import OffloadMode, block_summary, quest_scores, sele
 
 ATTN_IMPLEMENTATION = "kvtier_sparse_eval"
 DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_RECENT_BLOCKS = 2  # EngineConfig.offload_recent_blocks
 DEFAULT_BUDGETS = "1/32,1/16,1/8,1/4"
 
 
@@ -44,7 +45,7 @@ class SparseWindow:
     mode: OffloadMode
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     sink_blocks: int = 1
-    recent_blocks: int = 2
+    recent_blocks: int = DEFAULT_RECENT_BLOCKS
 
     def host_blocks(self, num_tokens: int) -> tuple[int, int]:
         """Logical blocks [first, end) in host memory while the token at position num_tokens - 1 decodes
