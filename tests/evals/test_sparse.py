@@ -120,3 +120,17 @@ def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):
     assert quarter["attended_fraction"] < 0.5 and whole["attended_fraction"] == 1.0
     assert quarter["device_kv_bytes"] < 0.3 * raw["device_kv_bytes"]
     assert quarter["compression"] == 1.0  # offload keeps every token (in host memory)
+
+
+def test_a_multi_token_pass_over_a_filled_cache_is_exact(tiny_model, long_prompt):
+    """The passkey cue: several tokens after a prefill see the whole cache, causally (no block left out)."""
+    ids = torch.tensor([long_prompt])
+    one = sparse_model(tiny_model.model, SparseWindow(parse_offload("sparse:1"), block_tokens=BLOCK))
+    logits = {}
+    with torch.inference_mode():
+        for name, model in (("full", tiny_model.model), ("sparse", one)):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :80], past_key_values=cache)
+            logits[name] = model(ids[:, 80:], past_key_values=cache).logits
+    torch.testing.assert_close(logits["sparse"], logits["full"])
+    assert one.config.kvtier_sparse.stats.num_decode_steps == 0

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvtier.engine.offload import OffloadMode, block_summary, quest_scores, select_blocks
 
@@ -126,6 +127,9 @@ def _count(decode: SparseDecode, layer: int, key: torch.Tensor, n: int, k: int) 
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sparse_attention)
+# the exact passes need SDPA's causal mask: without a registered mask function transformers passes none, and
+# SDPA's is_causal aligns a multi-token pass over a filled cache (the passkey cue) to the first keys
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 def sparse_model(model: torch.nn.Module, window: SparseWindow) -> torch.nn.Module:
