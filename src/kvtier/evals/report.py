@@ -149,8 +149,7 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
     families: dict[str, list[EvalRow]] = {}
     for row in rows:
         if row.error is None and row.attended_fraction is not None and (row.method == "sparse" or row.keep is not None):
-            families.setdefault("sparse offload (Quest top-k)" if row.method == "sparse" else row.label.split("@")[0],
-                                []).append(row)
+            families.setdefault(_family(row), []).append(row)
     raw = next((row for row in rows if row.label == "raw" and row.error is None), None)
     for name, members in families.items():
         members.sort(key=lambda row: row.attended_fraction)
@@ -165,7 +164,7 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
             for row, x in zip(members, xs):
                 for ax, y in ((left, row.delta_ppl_pct), (right, None if row.passkey_acc is None else 100 * row.passkey_acc)):
                     if y is not None:
-                        ax.annotate(row.label.removeprefix("sparse-"), (x, y), fontsize=8, xytext=(4, 4),
+                        ax.annotate(row.label.split("-")[1], (x, y), fontsize=8, xytext=(4, 4),
                                     textcoords="offset points")
     if raw is not None:
         left.axhline(0.0, color="black", linestyle=":", label="full attention")
@@ -190,3 +189,12 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _family(row: EvalRow) -> str:
+    """A line of the offload plot: sparse offload per block size / window (sparse-1/8-b16 -> "... b16"), else
+    the eviction policy (h2o@0.125 -> h2o)."""
+    if row.method != "sparse":
+        return row.label.split("@")[0]
+    layout = " ".join(row.label.split("-")[2:])
+    return "sparse offload (Quest top-k)" + (f" {layout}" if layout else "")
