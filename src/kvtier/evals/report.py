@@ -155,6 +155,7 @@ def plot_offload(rows: list[EvalRow], path: Path, title: str) -> None:
         members.sort(key=lambda row: row.attended_fraction)
         xs = [100 * row.attended_fraction for row in members]
         style = dict(marker="o", linewidth=2.5) if name.startswith("sparse") else dict(marker="s", linestyle="--")
+        style["color"] = f"C{list(families).index(name)}"  # one color per line in both panels
         if any(row.delta_ppl_pct is not None for row in members):
             left.plot(xs, [row.delta_ppl_pct for row in members], label=name, **style)
         if any(row.passkey_acc is not None for row in members):
