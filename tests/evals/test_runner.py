@@ -135,15 +135,18 @@ def test_kvtier_eval_bad_snapkv_window_exits_2(capsys):
 def test_every_method_generates_end_to_end_and_reports_its_bytes(tiny_model, name):
     from kvtier.evals.runner import EVICTION_METHODS, full_precision_bytes_per_token, kv_bytes
 
-    method = Method(name, 0.5 if name in EVICTION_METHODS else None)
+    from kvtier.engine.offload import parse_offload
+
+    method = Method(name, 0.5 if name in EVICTION_METHODS else None,
+                    offload=parse_offload("sparse:1/4") if name == "sparse" else None, block_tokens=16)
     cache = method.new_cache(tiny_model.model)
     ids = _ids(150)  # past one 128-token block / residual, so every quantizer has quantized something
-    out = tiny_model.model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    out = method.model_for(tiny_model.model).generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
     assert out.shape == (1, 154) and torch.equal(out[:, :150], ids)
     assert cache.get_seq_length() == 153
     raw = full_precision_bytes_per_token(tiny_model.config) * 153    # 2 layers x K,V x 2 heads x 16 x 2 bytes
     assert raw == 256 * 153
-    expected_ratio = {"raw": 1.0, "streamingllm": 2.0, "h2o": 2.0, "snapkv": 2.0}
+    expected_ratio = {"raw": 1.0, "streamingllm": 2.0, "h2o": 2.0, "snapkv": 2.0, "sparse": 1.0}  # offload keeps all
     ratio = raw / kv_bytes(cache, tiny_model.config)
     if name in expected_ratio:
         assert ratio == pytest.approx(expected_ratio[name], rel=0.01)

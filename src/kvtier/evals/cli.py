@@ -1,4 +1,4 @@
-"""`kvtier eval`: the quality cost of each lossy KV lever (quantization, eviction) on a real model."""
+"""`kvtier eval`: the quality cost of each lossy KV lever (quantization, eviction, sparse offload) on a real model."""
 
 from __future__ import annotations
 
@@ -33,12 +33,23 @@ def register(app: typer.Typer) -> None:
     @app.command("eval")
     def eval_command(
         methods: str = typer.Option(None, help="comma-separated methods [every codec, eviction policy and "
-                                               "transformers peer; raw is always the reference]"),
-        keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept"),
+                                               "transformers peer; raw is always the reference]; 'sparse' is "
+                                               "the engine's sparse offload at each --offload-budgets, "
+                                               "'sparse:1/8' one budget"),
+        keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept (0.125 or 1/8)"),
+        offload_budgets: str = typer.Option("1/32,1/16,1/8,1/4", help="sparse offload fetch budgets: fractions of "
+                                                                       "the host blocks, or numbers of blocks"),
+        offload_block_tokens: int = typer.Option(64, help="sparse offload: tokens per block (the engine's "
+                                                          "--block-tokens); 1 sink block stays on the device"),
+        offload_recent_blocks: int = typer.Option(2, help="sparse offload: recent blocks on the device (the open "
+                                                          "block and those before it; the engine's default 2)"),
         context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
                                                  "('' to skip perplexity)"),
         windows: int = typer.Option(2, help="perplexity windows per context length"),
-        chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk"),
+        chunk: int = typer.Option(128, help="tokens per teacher-forced scoring chunk (sparse offload: 1, its "
+                                            "decode steps)"),
+        score_tokens: int = typer.Option(None, help="perplexity: score the last N tokens of each window, the rest "
+                                                    "prefilled [half the window]"),
         passkey_lengths: str = typer.Option("1024,2048", help="passkey prompt lengths ('' to skip)"),
         passkey_depths: str = typer.Option("0.1,0.3,0.5,0.7,0.9", help="needle depths"),
         snapkv_window: str = typer.Option(None, help="SnapKV observation window: tokens at the end of the prompt, "
@@ -59,7 +70,7 @@ def register(app: typer.Typer) -> None:
         # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
         snapkv_window = snapkv_window if snapkv_window is not None else "question"
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
-                         snapkv_window)
+                         snapkv_window, offload_budgets, offload_block_tokens, score_tokens, offload_recent_blocks)
         if text is None:
             from kvtier.data import SHAKESPEARE, shared_data_file
 
@@ -96,14 +107,17 @@ def _default_methods() -> tuple[str, ...]:
 
 
 def _protocol(config) -> str:
-    ppl = (f"ppl: {config.num_windows}×{config.context_tokens} tokens (second half scored in "
+    scored = f"last {config.score_tokens} tokens" if config.score_tokens else "second half"
+    ppl = (f"ppl: {config.num_windows}×{config.context_tokens} tokens ({scored} scored in "
            f"{config.chunk_tokens}-token chunks)") if config.context_tokens else "no ppl"
     passkey = (f"passkey: {len(config.passkey_depths)} depths × {config.passkey_lengths} tokens"
                if config.passkey_lengths else "no passkey")
     return f"{ppl} · {passkey}"
 
 
-def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window):
+def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window,
+            offload_budgets="1/32,1/16,1/8,1/4", offload_block_tokens=64, score_tokens=None,
+            offload_recent_blocks=2):
     if str(snapkv_window) != "question":
         try:
             snapkv_window = int(snapkv_window)
@@ -111,15 +125,18 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
             raise UserError(f"--snapkv-window takes a token count or 'question', got {snapkv_window!r}") from None
         if snapkv_window < 1:
             raise UserError("--snapkv-window must be positive")
-    if windows < 1 or chunk < 1:
-        raise UserError("--windows and --chunk must be positive")
+    if windows < 1 or chunk < 1 or offload_block_tokens < 1 or offload_recent_blocks < 1:
+        raise UserError("--windows, --chunk, --offload-block-tokens and --offload-recent-blocks must be positive")
+    contexts = runner.parse_ints(context, "--context")
+    if score_tokens is not None and not all(0 < score_tokens < ctx for ctx in contexts):
+        raise UserError("--score-tokens must be positive and shorter than every --context")
     depths = runner.parse_floats(passkey_depths, "--passkey-depths")
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UserError("--passkey-depths must be fractions in [0, 1]")
     return runner.EvalConfig(
-        methods=runner.parse_methods(methods, keep, snapkv_window),
-        context_tokens=runner.parse_ints(context, "--context"),
-        num_windows=windows, chunk_tokens=chunk,
+        methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, offload_block_tokens,
+                                     offload_recent_blocks),
+        context_tokens=contexts, num_windows=windows, chunk_tokens=chunk, score_tokens=score_tokens,
         passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
         passkey_depths=depths)
 

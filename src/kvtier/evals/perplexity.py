@@ -3,14 +3,15 @@
 Protocol (the same for every method, the full-precision `DynamicCache` being the reference):
 1. The text is tokenized once; `num_windows` non-overlapping windows of `context_tokens` tokens are
    taken evenly spaced over it.
-2. The first half of each window (P = context_tokens // 2 tokens) is prefilled once in full
+2. The first half of each window (P = context_tokens // 2 tokens; with `--score-tokens N`, all but the last
+   N) is prefilled once in full
    precision; its KV (and, for the eviction scores, its query states) are then written into the
    method's cache exactly as a prefill through that cache would write them (quantized / evicted).
 3. The rest of the window is scored teacher-forced in chunks of `chunk_tokens`: chunk tokens
    [a, b) are fed with the lossy cache, their logits score tokens [a+1, b+1), and the cache then
    absorbs the chunk (quantizing it, or evicting down to the budget). The targets are the tokens
    P+1 .. context_tokens-1, so every scored token attends to the lossy KV of everything before its
-   chunk. (The token P, predicted by the prefill's own last logit, is not scored: it never sees
+   chunk. Sparse offload scores one token per chunk: each is a decode step of the engine. (The token P, predicted by the prefill's own last logit, is not scored: it never sees
    the lossy cache.)
 4. ppl = exp(total NLL / total scored tokens) over all windows; Δppl% is against the reference.
 """

@@ -6,6 +6,11 @@ scoring and evicting it with the recorded query states), so the shared prefill c
 pass for the whole grid. The continuation (scored chunks, or cue + greedy answer) runs through each
 method's own cache. See `perplexity` and `passkey` for the two protocols.
 
+Sparse offload (`sparse:1/8`, issue 18) keeps every token (the engine holds the middle blocks in host
+memory) and attends at each decode step to the sinks, the recent window and the top blocks by Quest's
+bound (`evals/sparse.py`, the engine's own functions): its continuation is scored one token per step,
+as the engine decodes it (teacher forcing), and its passkey answer is greedy-decoded the same way.
+
 Sizes are those of a 16-bit (bf16/fp16) KV cache, the way models are served: full-precision
 tensors count 2 bytes per element whatever dtype the CPU run computes in; quantized payloads and
 their scales count what they store.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -22,8 +28,10 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from kvtier.codecs.quant import DEFAULT_GROUP_TOKENS
+from kvtier.engine.offload import OffloadMode, parse_offload
 from kvtier.errors import UserError
 from kvtier.evals import passkey as pk
+from kvtier.evals import sparse
 from kvtier.evals.perplexity import NLL, prefill_tokens, score_continuation, text_windows
 from kvtier.levers import eviction
 from kvtier.levers.eviction import EvictionCache, EvictionPolicy
@@ -37,7 +45,8 @@ WIDE_GROUP_METHODS = {"int4-g128": ("int4", 128)}
 _QUANT_LAYOUTS = {**{name: (name, DEFAULT_GROUP_TOKENS) for name in QUANT_METHODS}, **WIDE_GROUP_METHODS}
 EVICTION_METHODS = eviction.POLICIES
 PEER_METHODS = ("hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4", "hf-hqq-int2", "hf-fp8")
-ALL_METHODS = ("raw", *QUANT_METHODS, *WIDE_GROUP_METHODS, *EVICTION_METHODS, *PEER_METHODS)
+OFFLOAD_METHODS = ("sparse",)  # `sparse` (each of --offload-budgets) or `sparse:1/8`
+ALL_METHODS = ("raw", *QUANT_METHODS, *WIDE_GROUP_METHODS, *EVICTION_METHODS, *PEER_METHODS, *OFFLOAD_METHODS)
 DEFAULT_METHODS = ("raw", *QUANT_METHODS, *EVICTION_METHODS, "hf-quanto-int4", "hf-quanto-int2", "hf-hqq-int4",
                    "hf-hqq-int2")
 SNAPKV_WINDOW_TOKENS = eviction.DEFAULT_SNAPKV_WINDOW_TOKENS
@@ -51,9 +60,16 @@ class Method:
     keep: float | None = None
     window_tokens: int = SNAPKV_WINDOW_TOKENS   # SnapKV's observation window
     question_window: bool = False  # SnapKV: the window is the prompt's question where there is one
+    offload: OffloadMode | None = None  # sparse offload: the fetch budget
+    block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS  # sparse offload: the engine's block size
+    recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS  # sparse offload: the recent window on the device
 
     @property
     def label(self) -> str:
+        if self.offload is not None:  # sparse-1/8, or sparse-1/8-b16-r8 off the engine's default layout
+            return (str(self.offload).replace(":", "-")
+                    + (f"-b{self.block_tokens}" if self.block_tokens != sparse.DEFAULT_BLOCK_TOKENS else "")
+                    + (f"-r{self.recent_blocks}" if self.recent_blocks != sparse.DEFAULT_RECENT_BLOCKS else ""))
         name = self.name
         if name == "snapkv" and self.question_window:
             name = "snapkv-q"
@@ -61,9 +77,20 @@ class Method:
             name = f"snapkv-w{self.window_tokens}"
         return name if self.keep is None else f"{name}@{self.keep:g}"
 
+    @property
+    def sparse_window(self) -> sparse.SparseWindow | None:
+        if self.offload is None:
+            return None
+        return sparse.SparseWindow(self.offload, self.block_tokens, recent_blocks=self.recent_blocks)
+
+    def model_for(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model the continuation runs through: a sparse method's attends as the engine's sparse offload."""
+        window = self.sparse_window
+        return model if window is None else sparse.sparse_model(model, window)
+
     def new_cache(self, model: torch.nn.Module, question_tokens: int = 0) -> Cache:
         """A fresh cache; `question_tokens`: the length of the prompt's closing question (0: none)."""
-        if self.name == "raw":
+        if self.name in ("raw", "sparse"):  # sparse: every token kept, the model selects at decode steps
             return DynamicCache(config=model.config)
         if self.name in _QUANT_LAYOUTS:
             from kvtier.codecs.quant import quantizer
@@ -82,13 +109,17 @@ class Method:
                               q_group_size=HF_GROUP_TOKENS, residual_length=HF_RESIDUAL_TOKENS)
 
 
-def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SNAPKV_WINDOW_TOKENS) -> list[Method]:
+def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SNAPKV_WINDOW_TOKENS,
+                  offload_budgets: str = sparse.DEFAULT_BUDGETS,
+                  block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS,
+                  recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS) -> list[Method]:
     """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first).
-    `snapkv_window_tokens`: a token count, or "question" (the passkey question; 32 where there is none)."""
+    `snapkv_window_tokens`: a token count, or "question" (the passkey question; 32 where there is none).
+    `sparse` -> one sparse offload method per `offload_budgets`; `sparse:1/8` -> that budget only."""
     question = snapkv_window_tokens == "question"
     window = SNAPKV_WINDOW_TOKENS if question else snapkv_window_tokens
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    unknown = [m for m in names if m not in ALL_METHODS]
+    unknown = [m for m in names if m not in ALL_METHODS and not m.startswith("sparse:")]
     if unknown:
         raise UserError(f"unknown method(s) {', '.join(unknown)}: use {', '.join(ALL_METHODS)}")
     keep_values = parse_floats(keeps, "--keep")
@@ -98,15 +129,28 @@ def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SN
     for name in names:
         if name in EVICTION_METHODS:
             out += [Method(name, k, window, question) for k in keep_values]
+        elif name == "sparse" or name.startswith("sparse:"):
+            budgets = [b.strip() for b in offload_budgets.split(",") if b.strip()] if name == "sparse" \
+                else [name.partition(":")[2]]
+            out += [Method("sparse", offload=_sparse_mode(b), block_tokens=block_tokens, recent_blocks=recent_blocks)
+                    for b in budgets]
         elif name != "raw":
             out.append(Method(name))
     return out
 
 
-def parse_floats(text: str, option: str) -> list[float]:
+def _sparse_mode(budget: str) -> OffloadMode:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
+        return parse_offload(f"sparse:{budget}")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
+def parse_floats(text: str, option: str) -> list[float]:
+    """Comma-separated numbers or fractions (`0.125` or `1/8`)."""
+    try:
+        return [float(Fraction(x.strip())) for x in text.split(",") if x.strip()]
+    except (ValueError, ZeroDivisionError):
         raise UserError(f"{option} takes comma-separated numbers, got {text!r}") from None
 
 
@@ -134,11 +178,12 @@ class Prefill:
 
     def policy_scores(self, policy: EvictionPolicy) -> list[torch.Tensor | None]:
         """Each layer's prefill scores for `policy` (they do not depend on the budget: computed once)."""
+        if not policy.needs_queries:  # StreamingLLM (the prefill may not have recorded queries)
+            return [None] * len(self.keys)
         key = (policy.name, policy.window_tokens, policy.kernel_tokens)  # what the scores depend on
         if key not in self.scores:
-            self.scores[key] = [
-                eviction.policy_scores(policy, q, k, self.scaling) if policy.needs_queries else None
-                for q, k in zip(self.queries, self.keys)]
+            self.scores[key] = [eviction.policy_scores(policy, q, k, self.scaling)
+                                for q, k in zip(self.queries, self.keys)]
         return self.scores[key]
 
 
@@ -215,6 +260,7 @@ class EvalConfig:
     context_tokens: list[int] = field(default_factory=lambda: [2048])
     num_windows: int = 2
     chunk_tokens: int = 128
+    score_tokens: int | None = None  # perplexity: the last tokens of each window scored (None: its second half)
     passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
     passkey_depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     answer_tokens: int = 8
@@ -234,6 +280,11 @@ class EvalRow:
     passkey_acc: float | None = None
     ppl_by_context: dict[str, float] = field(default_factory=dict)
     passkey_acc_by_length: dict[str, float] = field(default_factory=dict)
+    # where the KV is while decoding (16-bit): on the device (sparse offload: sinks + recent window + the block
+    # summaries), fetched from host memory per decode token, and the share of the context each step attends to
+    device_kv_bytes: float | None = None
+    fetched_bytes_per_token: float | None = None
+    attended_fraction: float | None = None
     error: str | None = None
 
 
@@ -243,6 +294,9 @@ class _Tally:
     bytes_per_token: list[float] = field(default_factory=list)          # at the end of each ppl window
     passkey_bytes_per_token: list[float] = field(default_factory=list)  # after each answer (passkey-only runs)
     correct_by_length: dict[int, list[bool]] = field(default_factory=dict)
+    device_kv_bytes: list[float] = field(default_factory=list)          # after each window / answer
+    fetched_bytes_per_token: list[float] = field(default_factory=list)
+    attended_fraction: list[float] = field(default_factory=list)
     error: str | None = None
 
 
@@ -278,7 +332,7 @@ def _guarded(tally: _Tally, work: Callable[[], None]) -> None:
 
 
 def _perplexity_window(model, window, config: EvalConfig, tallies, record: bool, ctx: int) -> None:
-    num_prefill = prefill_tokens(ctx)
+    num_prefill = ctx - config.score_tokens if config.score_tokens else prefill_tokens(ctx)
     pre = prefill(model, window[:, :num_prefill], record_queries=record)
     for method in config.methods:
         tally = tallies[method.label]
@@ -286,9 +340,12 @@ def _perplexity_window(model, window, config: EvalConfig, tallies, record: bool,
         def work(method=method, tally=tally):
             cache = method.new_cache(model)
             fill(cache, pre)
-            nll = score_continuation(model, cache, window[:, num_prefill:], config.chunk_tokens)
+            run_model = method.model_for(model)
+            chunk = 1 if method.offload is not None else config.chunk_tokens  # the engine's decode steps
+            nll = score_continuation(run_model, cache, window[:, num_prefill:], chunk)
             tally.nll_by_context.setdefault(ctx, NLL()).add(nll)
             tally.bytes_per_token.append(kv_bytes(cache, model.config) / cache.get_seq_length())
+            _tally_placement(tally, method, run_model, cache)
 
         _guarded(tally, work)
 
@@ -302,12 +359,38 @@ def _passkey_prompt(loaded, prompt: pk.PasskeyPrompt, config: EvalConfig, tallie
         def work(method=method, tally=tally):
             cache = method.new_cache(model, prompt.question_tokens)
             fill(cache, pre)
-            answer = pk.greedy_answer(model, cache, prompt.cue_ids.to(model.device), config.answer_tokens)
+            run_model = method.model_for(model)
+            answer = pk.greedy_answer(run_model, cache, prompt.cue_ids.to(model.device), config.answer_tokens)
             correct = pk.is_correct(loaded.tokenizer.decode(answer), prompt.passkey)
             tally.correct_by_length.setdefault(prompt.target_tokens, []).append(correct)
             tally.passkey_bytes_per_token.append(kv_bytes(cache, model.config) / cache.get_seq_length())
+            _tally_placement(tally, method, run_model, cache)
 
         _guarded(tally, work)
+
+
+def _tally_placement(tally: _Tally, method: Method, run_model: torch.nn.Module, cache: Cache) -> None:
+    """Device KV bytes, bytes fetched per decode token and the attended share, after a window / answer."""
+    from kvtier.models import head_dim, num_kv_heads
+
+    config, num_tokens = run_model.config, cache.get_seq_length()
+    window = method.sparse_window
+    if window is None:  # everything the cache holds is on the device, attended to, nothing fetched
+        resident = cache.num_resident_tokens if isinstance(cache, EvictionCache) else num_tokens
+        tally.device_kv_bytes.append(kv_bytes(cache, config))
+        tally.fetched_bytes_per_token.append(0.0)
+        tally.attended_fraction.append(resident / num_tokens)
+        return
+    stats = config.kvtier_sparse.stats
+    layer_head_block_bytes = 2 * window.block_tokens * head_dim(config) * SERVED_BYTES_PER_ELEMENT
+    first, end = window.host_blocks(num_tokens)
+    device_tokens = num_tokens - (end - first) * window.block_tokens
+    summary_bytes = (end - first) * config.num_hidden_layers * num_kv_heads(config) * layer_head_block_bytes \
+        // window.block_tokens   # per layer and KV head: key min + max, head_dim each
+    tally.device_kv_bytes.append(device_tokens * full_precision_bytes_per_token(config) + summary_bytes)
+    if stats.num_decode_steps:
+        tally.fetched_bytes_per_token.append(stats.num_fetched_blocks * layer_head_block_bytes / stats.num_decode_steps)
+        tally.attended_fraction.append(stats.num_attended_tokens / stats.num_context_tokens)
 
 
 def _rows(config: EvalConfig, tallies: dict[str, _Tally], raw_bytes_per_token: int) -> list[EvalRow]:
@@ -338,6 +421,10 @@ def _fill_row(row: EvalRow, tally: _Tally, reference: _Tally, raw_bytes_per_toke
             ref.add(nll)
         row.ppl = round(total.ppl, 4)
         row.delta_ppl_pct = round(100.0 * (total.ppl / ref.ppl - 1.0), 3)
+    for name in ("device_kv_bytes", "fetched_bytes_per_token", "attended_fraction"):
+        values = getattr(tally, name)
+        if values:
+            setattr(row, name, round(sum(values) / len(values), 4))
     if tally.correct_by_length:
         flat = [c for results in tally.correct_by_length.values() for c in results]
         row.passkey_acc = round(sum(flat) / len(flat), 4)
@@ -346,7 +433,11 @@ def _fill_row(row: EvalRow, tally: _Tally, reference: _Tally, raw_bytes_per_toke
 
 def _bits_or_budget(method: Method) -> str:
     if method.keep is not None:
-        return f"keep {method.keep:.0%}"
+        return f"keep {100 * method.keep:g}%"
+    if method.offload is not None:
+        budget = str(method.offload).partition(":")[2]
+        unit = " of host blocks" if method.offload.budget < 1 else " host blocks"
+        return f"fetch {budget}{unit}"
     return {"raw": "16-bit", "fp8": "8-bit fp", "int8": "8-bit", "int4": "4-bit", "int2": "2-bit",
             "int4-g128": "4-bit, 128-token key groups",
             "hf-quanto-int4": "4-bit", "hf-quanto-int2": "2-bit", "hf-hqq-int4": "4-bit", "hf-hqq-int2": "2-bit",

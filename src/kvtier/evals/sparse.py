@@ -1,0 +1,142 @@
+"""Sparse offload in `kvtier eval`: the engine's decode-step block selection, over a full cache.
+
+The engine (`engine/offload.py`) keeps an offloaded sequence's first `sink_blocks` blocks and its last
+`recent_blocks` (the open block and the one before it) on the device, every full block in between in
+host memory. At a decode step, for each layer and KV head, it scores the host blocks with Quest's bound
+(`quest_scores` of the post-RoPE query against each block's per-channel key min/max, `block_summary`)
+and attends to the sinks, the recent window and the top `OffloadMode.num_fetched(n)` host blocks
+(`select_blocks`). Prefill chunks are exact, and so is a step whose budget covers every host block.
+
+Here the same selection runs in an attention function registered in transformers' `AttentionInterface`
+over a normal `DynamicCache` that holds every token: a single-query pass masks out the host blocks that
+were not selected, which is the attention over sinks + recent + the fetched blocks — the engine's output
+up to float rounding (the engine merges its pieces by log-sum-exp). Passes of several tokens (a prefill,
+the passkey cue) are exact, as in the engine. The functions are imported from the engine, not copied,
+so the quality measured here is the engine's.
+
+    window = SparseWindow(parse_offload("sparse:1/8"), block_tokens=64)
+    model_s = sparse_model(model, window)            # shares the weights; stats in model_s.config
+    model_s(ids, past_key_values=DynamicCache(...))  # decode steps one token at a time
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvtier.engine.offload import OffloadMode, block_summary, quest_scores, select_blocks
+
+ATTN_IMPLEMENTATION = "kvtier_sparse_eval"
+DEFAULT_BLOCK_TOKENS = 64
+DEFAULT_RECENT_BLOCKS = 2  # EngineConfig.offload_recent_blocks
+DEFAULT_BUDGETS = "1/32,1/16,1/8,1/4"
+
+
+@dataclass(frozen=True, slots=True)
+class SparseWindow:
+    """The engine's offload layout (`EngineConfig.offload_sink_blocks` / `offload_recent_blocks`)."""
+
+    mode: OffloadMode
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    sink_blocks: int = 1
+    recent_blocks: int = DEFAULT_RECENT_BLOCKS
+
+    def host_blocks(self, num_tokens: int) -> tuple[int, int]:
+        """Logical blocks [first, end) in host memory while the token at position num_tokens - 1 decodes
+        (the scheduler's `_window_chunk`: the recent window is the open block and the one before it)."""
+        last = -(-num_tokens // self.block_tokens)
+        return self.sink_blocks, max(self.sink_blocks, last - self.recent_blocks)
+
+    @property
+    def window_tokens(self) -> int:
+        return (self.sink_blocks + self.recent_blocks) * self.block_tokens
+
+
+@dataclass(slots=True)
+class SparseStats:
+    """What the decode steps attended to, summed over steps (blocks: over layers and KV heads too)."""
+
+    num_decode_steps: int = 0
+    num_host_blocks: int = 0      # layer-head-blocks in host memory (what `exact` would fetch)
+    num_fetched_blocks: int = 0   # layer-head-blocks attended to from host memory (fetched)
+    num_context_tokens: int = 0   # per step: the context
+    num_attended_tokens: int = 0  # per step: sinks + recent + the fetched blocks' tokens (one head)
+
+
+@dataclass(slots=True)
+class SparseDecode:
+    """What a sparse model's config carries to the attention function."""
+
+    window: SparseWindow
+    stats: SparseStats = field(default_factory=SparseStats)
+
+
+def decode_mask(window: SparseWindow, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:
+    """One decode step: query [1, Hq, 1, D] (post-RoPE), key [1, H, S, D] (the whole context, this token
+    last) -> (mask [1, Hq, 1, S], True where the step attends, or None: everything; host blocks n; fetched k)."""
+    first, end = window.host_blocks(key.shape[2])
+    n = end - first
+    k = window.mode.num_fetched(n)
+    if k >= n:  # the engine attends to every host block (exact)
+        return None, n, n
+    t, (_, h, s, d) = window.block_tokens, key.shape
+    host_keys = key[0, :, first * t:end * t].reshape(h, n, t, d).transpose(0, 1)  # [n, H, T, D]
+    q = query[0, :, 0].reshape(h, -1, d)                                             # [H, G, D]
+    top = select_blocks(quest_scores(block_summary(host_keys), q), k)              # [k, H]
+    blocks = torch.ones(h, -(-s // t), dtype=torch.bool, device=key.device)        # [H, blocks]
+    blocks[:, first:end] = False
+    blocks.scatter_(1, (top + first).T, True)
+    mask = blocks.repeat_interleave(t, dim=1)[:, :s]                               # [H, S]
+    return mask.repeat_interleave(query.shape[1] // h, dim=0)[None, :, None], n, k
+
+
+def sparse_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention: query [B, Hq, q, D], key/value [B, H, S, D] -> ([B, q, Hq, D], None)."""
+    decode: SparseDecode = module.config.kvtier_sparse
+    if query.shape[2] != 1:  # a prefill (or the cue): exact, as in the engine
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    assert query.shape[0] == 1, "sparse eval attention runs one sequence"
+    mask, n, k = decode_mask(decode.window, query, key)
+    _count(decode, module.layer_idx, key, n, k)
+    if mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _count(decode: SparseDecode, layer: int, key: torch.Tensor, n: int, k: int) -> None:
+    stats, h, s = decode.stats, key.shape[1], key.shape[2]
+    stats.num_host_blocks += n * h
+    stats.num_fetched_blocks += k * h
+    if layer == 0:
+        stats.num_decode_steps += 1
+        stats.num_context_tokens += s
+        stats.num_attended_tokens += s - (n - k) * decode.window.block_tokens
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, sparse_attention)
+# the exact passes need SDPA's causal mask: without a registered mask function transformers passes none, and
+# SDPA's is_causal aligns a multi-token pass over a filled cache (the passkey cue) to the first keys
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def sparse_model(model: torch.nn.Module, window: SparseWindow) -> torch.nn.Module:
+    """A copy of `model`'s module tree (and config) sharing its weights, attending as the engine's sparse
+    offload does; its `config.kvtier_sparse` (a `SparseDecode`) counts what the decode steps attended to."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    clone = copy.deepcopy(model, memo)
+    clone.config._attn_implementation = ATTN_IMPLEMENTATION
+    clone.config.kvtier_sparse = SparseDecode(window)
+    return clone.eval()
