@@ -69,7 +69,8 @@ def test_per_request_kv_offload(servers):
 def test_offload_on_a_server_without_it_is_refused(servers):
     _, ref_url = servers
     response = post(ref_url, {"model": "tiny", "prompt": "hello", "max_tokens": 4, "kv_offload": "exact"})
-    assert response.status_code == 400 and "--kv-offload" in response.json()["error"]["message"]
+    error = response.json()["error"]
+    assert response.status_code == 400 and "--kv-offload" in error["message"] and error["param"] == "kv_offload"
 
 
 def test_metrics_show_offload(servers):

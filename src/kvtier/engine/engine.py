@@ -45,6 +45,10 @@ class HostRoomError(ValueError):
         self.ever = ever
 
 
+class OffloadUnavailableError(ValueError):
+    """A request asked for kv_offload from an engine started without it (the message is for the client)."""
+
+
 class ContextLengthError(ValueError):
     """A request longer than the engine can ever hold (the message is for the client). `param` is
     the request field to change: "prompt" or "max_tokens"."""
@@ -241,7 +245,7 @@ class LLMEngine:
             raise ContextLengthError(f"the prompt has {num_prompt_tokens} tokens; this model's context is "
                                      f"{self.max_model_tokens} tokens", "prompt")
         if kv_offload is not None and parse_offload(kv_offload) is not None and self.fetch is None:
-            raise ValueError("kv_offload: this server runs with offload off (start it with --kv-offload)")
+            raise OffloadUnavailableError("kv_offload: this server runs with offload off (start it with --kv-offload)")
         num_tokens, limit = num_prompt_tokens + max_tokens, self.request_token_limit(kv_offload)
         if num_tokens <= limit and num_tokens > self.max_device_tokens:
             self._check_host_room(self._host_blocks_needed(num_tokens))

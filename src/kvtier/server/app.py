@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvtier.engine import AsyncEngine, ContextLengthError, EngineDeadError, RequestFailedError, SamplingParams
-from kvtier.engine.engine import HostRoomError
+from kvtier.engine.engine import HostRoomError, OffloadUnavailableError
 from kvtier.server import protocol
 from kvtier.server.generation import Delta, EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
@@ -207,6 +207,8 @@ def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int |
     except HostRoomError as exc:  # an offloaded request's host blocks: never (400) or not now (429)
         raise BadRequest(str(exc), param=_max_tokens_param(req), code="host_memory_exhausted",
                          status=429 if exc.ever else 400) from None
+    except OffloadUnavailableError as exc:
+        raise BadRequest(str(exc), param="kv_offload") from None
     except ContextLengthError as exc:
         param = prompt_param if exc.param == "prompt" else _max_tokens_param(req)
         raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
