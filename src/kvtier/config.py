@@ -8,9 +8,11 @@ Light on purpose (no torch): `kvtier serve --help` derives its options from thes
 from __future__ import annotations
 
 import inspect
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from fractions import Fraction
 from typing import Any, Callable, Literal, get_args
 
 from kvtier.errors import ConfigError
@@ -20,6 +22,59 @@ _MiB = 1 << 20
 KVFormat = Literal["raw", "fp8", "int8", "int4", "int2"]  # the device arena's formats
 ARENA_CODECS: tuple[str, ...] = get_args(KVFormat)
 TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
+
+
+OffloadKind = Literal["exact", "sparse"]
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadMode:
+    """How a long sequence attends to its host blocks: all of them (`exact`), or a budget (`sparse`):
+    `budget` < 1 is a fraction of its host blocks, >= 1 a number of blocks (per layer and KV head)."""
+
+    kind: OffloadKind
+    budget: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("exact", "sparse"):
+            raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET', got {self.kind!r}")
+        if self.kind == "sparse" and not (self.budget > 0 and math.isfinite(self.budget)
+                                          and (self.budget < 1 or self.budget == int(self.budget))):
+            raise ValueError("a sparse budget is a fraction in (0, 1) or a whole number of blocks, "
+                             f"got {self.budget}")
+
+    def num_fetched(self, num_host_blocks: int) -> int:
+        """Host blocks attended to per layer and KV head. A fraction is a cap (rounded down, at least
+        one block): `sparse:1/8` never moves more than 1/8 of what exact moves."""
+        if self.kind == "exact" or num_host_blocks == 0:
+            return num_host_blocks
+        wanted = math.floor(self.budget * num_host_blocks) if self.budget < 1 else int(self.budget)
+        return max(1, min(num_host_blocks, wanted))
+
+    def __str__(self) -> str:
+        if self.kind == "exact":
+            return "exact"
+        budget = self.budget if self.budget >= 1 else Fraction(self.budget).limit_denominator(1024)
+        return f"sparse:{int(budget) if self.budget >= 1 else budget}"
+
+
+def parse_offload(text: str | None) -> OffloadMode | None:
+    """`off` (None), `exact`, `sparse:0.125`, `sparse:1/8` or `sparse:16` (blocks). ValueError otherwise."""
+    text = (text or "off").strip().lower()
+    if text in ("off", "none", ""):
+        return None
+    if text == "exact":
+        return OffloadMode("exact")
+    kind, _, budget = text.partition(":")
+    if kind != "sparse" or not budget:
+        raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 or a number of "
+                         f"blocks), got {text!r}")
+    try:
+        value = float(Fraction(budget))
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"kv_offload: bad sparse budget {budget!r} (0.125, 1/8 or a number of blocks)") from None
+    return OffloadMode("sparse", value)
+
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None, name: str | None = None,
@@ -175,10 +230,8 @@ class EngineConfig:
     offload_fetch_blocks: int = setting(0, help="layer-blocks per half of the offload fetch area (taken from the "
                                                 "budget)", shown="0: 1/8 of the budget")
 
-    def offload_mode(self):
+    def offload_mode(self) -> OffloadMode | None:
         """The default `OffloadMode` (None: off)."""
-        from kvtier.engine.offload import parse_offload
-
         return parse_offload(self.kv_offload)
 
     def __post_init__(self) -> None:

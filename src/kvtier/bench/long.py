@@ -44,9 +44,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import torch
 
-from kvtier.evals.passkey import CUE, INTRO, NEEDLE, QUESTION, is_correct
 
 SYSTEMS = ("vllm", "reference", "exact", "sparse")
 SCENARIOS = ("long", "concurrent")
@@ -188,6 +186,8 @@ def passkey_prompt(encode: Callable[[str], list[int]], text: str, num_tokens: in
     filler with the needle at `depth` of it, the question and the cue (ids concatenated piece by piece).
     The needle and the question stand in paragraphs of their own: in running verse SmolLM2-135M answers
     with more verse even at 1k tokens, set apart it finds the key."""
+    from kvtier.evals.passkey import CUE, INTRO, NEEDLE, QUESTION
+
     head, needle = encode(INTRO), encode("\n\n" + NEEDLE.format(key=passkey).strip() + "\n\n")
     tail = encode("\n\n" + QUESTION.strip()) + encode(CUE)
     num_filler = num_tokens - len(head) - len(needle) - len(tail)
@@ -254,6 +254,8 @@ def strided_copy(host: torch.Tensor, num_slots: int, half_blocks: int, repeats: 
     `half_blocks`), moved by plain strided copies from the same host memory `host` [slots, L, 2, H, T, D]
     into a pre-touched buffer: (bytes, best seconds of `repeats`)."""
     num_layers, (two, h, t, d) = host.shape[1], host.shape[2:]
+    import torch
+
     dst = torch.ones((two, h, half_blocks, t, d), dtype=host.dtype)
     num_slots = min(num_slots, host.shape[0])
 
@@ -328,6 +330,8 @@ def run_engine(loaded, setup: LongSetup, system: str, scenario: str, prompts: li
         engine.close()
         if manager is not None:
             manager.close()
+    from kvtier.evals.passkey import is_correct
+
     for r, prompt in zip(row.requests, prompts):
         r.answer = decode(r.token_ids)
         r.correct = is_correct(r.answer, prompt.passkey)
@@ -397,6 +401,7 @@ def run_vllm(loaded, setup: LongSetup, scenario: str, prompts: list[LongPrompt],
     """vLLM's CPU build with a KV space of the device budget and the model's whole context: it is
     expected to refuse at start; its message, verbatim. Should it start, the prompts are sent."""
     from kvtier import models
+    from kvtier.evals.passkey import is_correct
     from kvtier.testing.vllm import BLOCK_TOKENS, VllmServer
 
     # The budget is set in blocks: on the CPU platform VLLM_CPU_KVCACHE_SPACE (GiB, which the launcher
