@@ -168,3 +168,12 @@ def test_serve_process_answers(tmp_path):
         proc.wait(timeout=30)
     # shutdown flushed the device's cached blocks (43 tokens of KV: 2 full blocks of 16) down to the SSD
     assert len(list((tmp_path / "ssd").rglob("*.kvb"))) == 2
+
+
+def test_the_model_as_given_is_a_served_name():
+    """`make run`'s README request says "model": "smollm2": the model as given is served beside its name."""
+    from kvtier.server.config import ServeConfig
+
+    assert ServeConfig(model="smollm2").model_names("SmolLM2-135M-Instruct") == ["smollm2", "SmolLM2-135M-Instruct"]
+    assert ServeConfig(model="tiny").model_names("tiny") == ["tiny"]
+    assert ServeConfig(model="smollm2", served_model_name=["a", "b"]).model_names("SmolLM2-135M-Instruct") == ["a", "b"]

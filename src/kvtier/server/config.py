@@ -56,8 +56,9 @@ class ServeConfig:
             raise ConfigError("served_model_name must name at least one model")
 
     def model_names(self, default: str) -> list[str]:
-        """The names a request's `model` may be (the first is the one reports use)."""
-        return list(self.served_model_name) if self.served_model_name else [default]
+        """The names a request's `model` may be (the first is the one reports use): the served names, or
+        else the model as given (`smollm2`, a directory: vLLM serves `--model` as it is given) and its name."""
+        return list(self.served_model_name) if self.served_model_name else list(dict.fromkeys([self.model, default]))
 
     @classmethod
     def settings(cls) -> list[Setting]:
