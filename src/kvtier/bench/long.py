@@ -669,7 +669,7 @@ def add_command(bench) -> None:
 
         from rich.console import Console
 
-        from kvtier.engine.offload import parse_offload
+        from kvtier.config import parse_offload
         from kvtier.errors import UserError
 
         names = tuple(s.strip() for s in systems.split(",") if s.strip())

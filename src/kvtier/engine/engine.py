@@ -422,7 +422,7 @@ class LLMEngine:
             return None
         stats = seq.host.stats
         stats.peak_device_kv_bytes = max(stats.peak_device_kv_bytes,
-                                         sum(1 for b in seq.block_ids if b >= 0) * self.arena.block_bytes)
+                                         seq.num_device_blocks * self.arena.block_bytes)
         if new_token_ids and seq.num_generated_tokens > 1:
             stats.num_decode_tokens += 1
         return OffloadStats(**{name: getattr(stats, name) for name in OffloadStats.__slots__})

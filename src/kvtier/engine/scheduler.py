@@ -281,7 +281,7 @@ class Scheduler:
         """Blocks kept free for the active sequences: one each for a next decode, and what an offloaded
         sequence's window still lacks (a full window moves on without a net new block)."""
         window = self.sink_blocks + self.recent_blocks
-        return sum(1 if seq.host is None else max(0, window - sum(1 for b in seq.block_ids if b >= 0))
+        return sum(1 if seq.host is None else max(0, window - seq.num_device_blocks)
                    for seq in [*self.running, *self.loading.values()])
 
     def _admit_offloaded(self, seq: Sequence, out: SchedulerOutput) -> bool:

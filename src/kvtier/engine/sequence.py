@@ -69,7 +69,7 @@ class SamplingParams:
         if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
         if self.kv_offload is not None:
-            from kvtier.engine.offload import parse_offload
+            from kvtier.config import parse_offload
 
             parse_offload(self.kv_offload)  # ValueError naming the accepted forms
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
@@ -148,6 +148,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_device_blocks(self) -> int:
+        """Blocks in the device arena (an offloaded sequence's table has holes: -1, in host memory)."""
+        return sum(1 for block_id in self.block_ids if block_id >= 0)
 
     @property
     def num_generated_tokens(self) -> int:

@@ -166,7 +166,7 @@ class _SamplingFields(BaseModel):
     @field_validator("kv_offload")
     @classmethod
     def _offload_mode(cls, mode: str | None) -> str | None:
-        from kvtier.engine.offload import parse_offload
+        from kvtier.config import parse_offload
 
         parse_offload(mode)  # ValueError naming the accepted forms -> 400 naming kv_offload
         return mode
