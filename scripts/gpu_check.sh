@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# `make gpu-check`: the connector's GPU path on a CUDA machine, in one run under 10 minutes.
-# 1. the worker's CUDA copies (side stream, pinned buffers, per-layer events), bit-exact: needs only torch;
+# `make gpu-check`: the GPU paths on a CUDA machine, in one run under 10 minutes.
+# 1. the connector worker's CUDA copies (side stream, pinned buffers, per-layer events), bit-exact, and the
+#    engine's offload fetch (side stream from the pinned DRAM slots: exact and sparse == the reference,
+#    halves never overwritten while read, no host sync on the way): needs only torch;
 # 2. vLLM's CUDA build (pip install vllm==0.32.0, or KVTIER_VLLM_WHEEL=path) and then
 #    `kvtier bench vllm --systems vllm,vllm-kvtier-dram` and vLLM's native `--kv-offloading-size`.
 # A machine that cannot install vLLM (no network) runs step 1 and says so for step 2.
@@ -15,6 +17,10 @@ $PY -m pip install -q --no-deps -e . 2>/dev/null || true
 timeout 240 $PY -m pytest -q -p no:cacheprovider --timeout=200 tests/integrations/test_vllm_cuda.py \
   tests/integrations/test_vllm_layouts.py -k "not services" 2>&1 | tee "$OUT/connector-tests.log"
 status=${PIPESTATUS[0]}
+timeout 120 $PY -m pytest -q -p no:cacheprovider --timeout=100 tests/engine/test_offload.py -k cuda -rs \
+  2>&1 | tee "$OUT/offload-tests.log"
+offload_status=${PIPESTATUS[0]}
+[ "$status" -eq 0 ] && status=$offload_status
 if ! $PY -c "import vllm" 2>/dev/null; then
   $PY -m pip install -q ${KVTIER_VLLM_WHEEL:-vllm==0.32.0} 2>&1 | tail -3 | tee "$OUT/vllm-install.log"
 fi

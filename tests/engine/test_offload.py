@@ -1,5 +1,7 @@
 """Contexts larger than the device (issue 18): an offloaded request keeps sinks + a recent window on
-the device and its middle blocks pinned in the DRAM tier; exact mode == everything on the device."""
+the device and its middle blocks pinned in the DRAM tier; exact mode == everything on the device.
+Tests with a `cuda` id run the CUDA path (side stream, pinned slots) and are skipped without a GPU;
+`make gpu-check` runs them (`-k cuda`)."""
 
 import sys
 from pathlib import Path
@@ -7,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier import models
 from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
 from kvtier.engine.engine import ContextLengthError, HostRoomError
-from kvtier.engine.offload import OffloadMode, attend, merge, parse_offload
+from kvtier.engine.offload import (FetchArea, OffloadAttention, OffloadMode, OffloadStats, SeqOffload, attend,
+                                   block_summary, merge, parse_offload, quest_scores, select_blocks)
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.tiers.manager import build_manager
 
@@ -28,9 +32,33 @@ def long_prompts():
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (61, 75, 90)]
 
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
+ON_DEVICES = pytest.mark.parametrize("loaded", DEVICES, indirect=True)  # the engine on the CPU, and on CUDA
+
+
 @pytest.fixture(scope="module")
 def refs(tiny_model, long_prompts):
     return [reference(tiny_model.model, p, NEW) for p in long_prompts]
+
+
+@pytest.fixture(scope="module")
+def cuda_tiny_model():
+    return models.load("tiny", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def loaded(request):
+    """The tiny model on the device of the test's id (ON_DEVICES)."""
+    return request.getfixturevalue("tiny_model" if request.param == "cpu" else "cuda_tiny_model")
+
+
+@pytest.fixture(scope="module")
+def loaded_refs(request, loaded, long_prompts):
+    """Greedy `generate` on that model, on its own device."""
+    if loaded.model.device.type == "cpu":
+        return request.getfixturevalue("refs")
+    return [reference(loaded.model, p, NEW) for p in long_prompts]
 
 
 def make(model, mode="exact", dram="64MiB", device_blocks=DEVICE_BLOCKS, **kwargs):
@@ -51,19 +79,21 @@ def drain(engine):
     return outputs
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("fetch_blocks, device_blocks", [
     (3, DEVICE_BLOCKS),  # more host blocks than half the fetch area: pieces merged by log-sum-exp
     (12, 20),            # all of them fit: host blocks + window in one SDPA call (5 device blocks)
 ])
-def test_exact_offload_equals_everything_on_the_device(tiny_model, long_prompts, refs, fetch_blocks, device_blocks):
-    engine, manager = make(tiny_model, offload_fetch_blocks=fetch_blocks, device_blocks=device_blocks)
+def test_exact_offload_equals_everything_on_the_device(loaded, long_prompts, loaded_refs, fetch_blocks,
+                                                       device_blocks):
+    engine, manager = make(loaded, offload_fetch_blocks=fetch_blocks, device_blocks=device_blocks)
     budget = engine.config.device_kv_budget_bytes
     assert engine.device_kv_bytes <= budget  # arena + fetch area, allocated once
     for i, prompt in enumerate(long_prompts):  # all at once: they share the device window and fetch area
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=NEW))
     outputs = drain(engine)
     window_bytes = (1 + 2) * engine.arena.block_bytes
-    for i, ref in enumerate(refs):
+    for i, ref in enumerate(loaded_refs):
         assert [t for o in outputs[str(i)] for t in o.new_token_ids] == ref
         stats = outputs[str(i)][-1].offload
         assert stats is not None and stats.mode == "exact"
@@ -75,24 +105,29 @@ def test_exact_offload_equals_everything_on_the_device(tiny_model, long_prompts,
     host = manager.host_tier()
     assert host.num_leased() == 0 and engine.host_blocks_reserved == 0
     assert engine.stats().num_device_blocks_used == 0
+    # the fetch area's own copies: every byte the requests fetched, in measured time (CUDA: its events)
+    assert engine.fetch.copied_bytes == sum(outputs[str(i)][-1].offload.fetched_bytes for i in range(len(loaded_refs)))
+    assert engine.fetch.copy_seconds > 0
     engine.close()
     manager.close()
 
 
-def test_sparse_with_every_block_in_budget_is_exact(tiny_model, long_prompts, refs):
-    """The sparse path (Quest scores, per-head gathers) fetching all blocks == the reference."""
-    engine, manager = make(tiny_model, "sparse:1000")
+@ON_DEVICES
+def test_sparse_with_every_block_in_budget_is_exact(loaded, long_prompts, loaded_refs):
+    """A sparse request whose budget covers every block: summaries kept, blocks fetched as exact."""
+    engine, manager = make(loaded, "sparse:1000")
     engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
     outputs = drain(engine)["a"]
-    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    assert [t for o in outputs for t in o.new_token_ids] == loaded_refs[2]
     engine.close()
     manager.close()
 
 
-def test_sparse_budget_fetches_its_fraction(tiny_model, long_prompts):
+@ON_DEVICES
+def test_sparse_budget_fetches_its_fraction(loaded, long_prompts):
     per_token = {}
     for mode in ("exact", "sparse:1/4"):
-        engine, manager = make(tiny_model, mode, offload_fetch_blocks=4)
+        engine, manager = make(loaded, mode, offload_fetch_blocks=4)
         engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW, ignore_eos=True))
         stats = drain(engine)["a"][-1].offload
         assert stats.num_decode_tokens == NEW - 1
@@ -219,3 +254,110 @@ def test_log_sum_exp_merge_equals_attention_over_both():
     sdpa = torch.nn.functional.scaled_dot_product_attention(q.reshape(6, 4, 16), k.repeat_interleave(3, 0),
                                                             v.repeat_interleave(3, 0), scale=0.25)
     torch.testing.assert_close(out.reshape(6, 4, 16), sdpa, rtol=1e-5, atol=1e-6)
+
+
+# -- the fetch area and the offloaded attention alone, on each device ------------------------------------
+L, H, T, D = 2, 2, 4, 8  # layers, KV heads, block tokens, head dim
+
+
+def host_slots(num_slots: int, device: str, seed: int) -> torch.Tensor:
+    """[num_slots, L, 2, H, T, D] random host blocks, pinned on CUDA as the DRAM tier's slots are."""
+    host = torch.randn(num_slots, L, 2, H, T, D, generator=torch.Generator().manual_seed(seed))
+    return host.pin_memory() if device == "cuda" else host
+
+
+def blocks_of(host: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """What a half holds after a gather of `slots` [n, H]: [2, H, n T, D]."""
+    return torch.stack([host[slots[:, h], layer, :, h].permute(1, 0, 2, 3).reshape(2, -1, D)
+                        for h in range(H)], dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fetch_area_never_writes_a_half_attention_still_reads(device):
+    """Exact pieces fetched one ahead, a sparse gather (each head its own blocks) after each: every read
+    sees what was fetched for it. On CUDA each read is queued behind a long matmul, so a copy that did not
+    wait for the compute stream would land first; and nothing on the way syncs with the device."""
+    host = host_slots(12, device, seed=3)
+    fetch = FetchArea(3, H, T, D, torch.float32, torch.device(device), window_tokens=T)
+    fetch.host = host
+    plan = [(layer, torch.tensor(slots)) for layer in range(L) for slots in ([4, 0, 7], [9, 2], [5])]
+    sparse = torch.tensor([[1, 5], [11, 3]])  # [n, H]
+    busy = torch.randn(4096, 4096, device=device) if device == "cuda" else None
+    seen, want = [], []
+    if device == "cuda":
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        fetch.begin(plan)
+        for i, (layer, slots) in enumerate(plan):
+            half, num_tokens, _ = fetch.take()
+            assert half == i % 2 and num_tokens == len(slots) * T
+            if busy is not None:
+                busy @ busy  # the compute stream falls behind the side stream
+            seen.append(fetch.kv(half, num_tokens).clone())
+            want.append(blocks_of(host, layer, slots[:, None].expand(-1, H)))
+            spare = fetch.spare_half()
+            assert i + 1 == len(plan) or spare != (i + 1) % 2  # never the half piece i + 1 is landing in
+            num_tokens = fetch.gather(layer, sparse, spare)
+            seen.append(fetch.kv(spare, num_tokens).clone())
+            want.append(blocks_of(host, layer, sparse))
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    fetch.end()
+    for got, expected in zip(seen, want, strict=True):
+        assert torch.equal(got.cpu(), expected)
+    assert fetch.copied_bytes == sum(w.numel() for w in want) * 4 and fetch.copy_seconds > 0
+    fetch.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode, half_blocks", [
+    ("exact", 2),     # 5 host blocks in pieces of 2, merged by log-sum-exp
+    ("exact", 8),     # all in one half, the window after them: one SDPA call
+    ("sparse:2", 8),  # each head its top 2 blocks, one call
+    ("sparse:2", 1),  # one block a piece
+])
+def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_blocks):
+    """A decode step of an offloaded sequence, layer by layer: == softmax(q k^T) v over the blocks it
+    reads (all, or each KV head's Quest pick) and its device window, computed on the CPU from the host."""
+    g, m, scale = 3, 6, 0.3  # query heads per KV head, device window tokens
+    host = host_slots(10, device, seed=5)
+    slots = torch.tensor([6, 1, 8, 3, 9])  # the sequence's host blocks, in context order
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(L, H * g, 1, D, generator=gen)
+    k_dev, v_dev = torch.randn(2, L, H, m, D, generator=gen)
+    on = torch.device(device)
+    summaries = torch.stack([block_summary(host[s, :, 0]) for s in slots.tolist()]).to(on)  # [n, L, H, 2, D]
+    num_host = len(slots) * T
+    off = SeqOffload(parse_offload(mode), slots, summaries, torch.tensor([num_host + m - 1], device=on),
+                     torch.arange(num_host, num_host + m, device=on), True, OffloadStats())
+    fetch = FetchArea(half_blocks, H, T, D, torch.float32, on, window_tokens=8)
+    fetch.host = host
+    attention = OffloadAttention(fetch, L)
+    attention.plan([off])
+    got = [attention.forward(layer, q[layer].to(on), k_dev[layer].to(on), v_dev[layer].to(on), off, scale).cpu()
+           for layer in range(L)]
+    fetch.end()
+    for layer in range(L):
+        read = slots[:, None].expand(-1, H)
+        if mode.startswith("sparse"):
+            # the pick itself, made on the device as the attention makes it (not the point here)
+            top = select_blocks(quest_scores(summaries[:, layer], q[layer].view(H, g, D).to(on)), 2)
+            read = slots[top.cpu()]  # [2, H]
+        kv = torch.cat([blocks_of(host, layer, read), torch.stack([k_dev[layer], v_dev[layer]])], dim=2)
+        q4 = q[layer].view(H, g, D)
+        want = torch.softmax(q4 @ kv[0].transpose(1, 2) * scale, dim=-1) @ kv[1]  # [H, g, D]
+        torch.testing.assert_close(got[layer], want.reshape(H * g, 1, D), rtol=1e-4, atol=1e-5)
+    assert off.stats.fetched_bytes == fetch.copied_bytes > 0
+    fetch.close()
+
+
+@cuda
+def test_host_slots_are_pinned_on_cuda(cuda_tiny_model):
+    """The copies are non_blocking from the DRAM tier's own slots: pinned, or the driver stages them."""
+    engine, manager = make(cuda_tiny_model)
+    assert manager.host_tier()._arena.is_pinned() and engine.fetch.host.is_pinned()
+    with pytest.raises(ValueError, match="pinned"):
+        engine.fetch.host = torch.zeros(2, *engine.fetch.host.shape[1:], dtype=engine.fetch.host.dtype)
+    engine.close()
+    manager.close()

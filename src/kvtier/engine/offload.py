@@ -10,23 +10,30 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
 
 - `exact`: every host block of the sequence, layer by layer, in pieces of half the fetch area; a
   background thread fetches piece i + 1 (the next layer's, or the next sequence's) while piece i is
-  attended to. Output is the attention over the whole context: the pieces are merged by their
-  log-sum-exp (FlashAttention's merge), the device window with its causal mask.
+  attended to (on CUDA: issues its copies on a side stream, see `FetchArea`). Output is the attention
+  over the whole context: the pieces are merged by their log-sum-exp (FlashAttention's merge), the
+  device window with its causal mask.
 - `sparse` (a budget in blocks, or a fraction of the host blocks): at each decode step and layer, a
   per-block summary kept on the device (Quest: per-channel min and max of the block's keys, an upper
   bound of q.k for any key in it) scores the host blocks for each KV head (the max over its group's
-  query heads); only the top blocks of each head are fetched. Prefill chunks are always exact.
+  query heads); only the top blocks of each head are fetched. Prefill chunks are always exact. The
+  pick is made on the device and the copies are issued by the host, so on CUDA a sparse layer reads its
+  selection back (one sync per layer and sequence) and copies on the compute stream: not overlapped.
 
 Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
 Summaries (2 x head_dim values per layer, KV head and block) are device memory too, reported
-apart from the KV (`OffloadStats.summary_bytes`). On CUDA the fetch is a gather on the host into
-the device fetch area on the current stream (correct, not overlapped: no GPU was there to test a
-side stream); on the CPU it overlaps on a thread.
+apart from the KV (`OffloadStats.summary_bytes`). On the CPU the fetch thread copies with numpy
+memcpys. On CUDA the same thread issues `non_blocking` copies from the pinned DRAM slots on a side stream:
+piece i + 1's copy of layer l + 1 runs while the compute stream attends over piece i, ordered by CUDA
+events both ways (a half is never written while attention still reads it; attention never reads a half
+before its copy landed), with no host sync on the way. That CUDA path was written without a GPU to run
+it: `make gpu-check` runs its tests (tests/engine/test_offload.py -k cuda) when one is there.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,7 +53,8 @@ class OffloadStats:
     host_kv_bytes: int = 0          # its KV in host memory now (at the end: at its largest)
     summary_bytes: int = 0          # its block summaries on the device (sparse)
     fetched_bytes: int = 0          # host -> device, all steps
-    fetch_seconds: float = 0.0      # waiting for fetches on the step thread (not hidden by compute)
+    fetch_seconds: float = 0.0      # waiting for fetches on the step thread (not hidden by compute; on CUDA
+                                    # the host's wait for copies to be issued, not the device's for them)
     num_decode_tokens: int = 0
     decode_fetched_bytes: int = 0   # fetched by decode steps (for bytes per decode token)
 
@@ -141,9 +149,16 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.
 class FetchArea:
     """The device memory host blocks are attended from: two halves, each `[2 (K, V), H, tokens, D]`
     with room for `half_blocks` host blocks and, after them, the sequence's device window, so one
-    attention call covers the whole context when its host blocks fit a half. Exact fetches run one
-    piece ahead on a thread (CPU): piece i + 1 lands in one half while piece i is attended to from
-    the other."""
+    attention call covers the whole context when its host blocks fit a half. Exact pieces are fetched
+    one ahead by a thread: piece i + 1 lands in one half while piece i is attended to from the other.
+
+    CPU: the thread copies (numpy memcpys). CUDA: the thread issues piece i + 1's copies on a side
+    stream the area owns (`non_blocking` from the pinned host slots), after an event recorded on the
+    compute stream as piece i is taken (every read of piece i - 1, the last reader of that half, is queued
+    before it); `take()` makes the compute stream wait for piece i's own event. The host never waits for
+    the device on the exact path: slots are host metadata (CPU tensors) and nothing is read back. `end()`
+    waits for the step's copies (their source is host memory the engine may reuse once the step is over)
+    and adds up their times from their CUDA events."""
 
     def __init__(self, half_blocks: int, num_kv_heads: int, block_tokens: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, window_tokens: int = 0) -> None:
@@ -155,16 +170,21 @@ class FetchArea:
         tokens = half_blocks * block_tokens + window_tokens
         self.buffer = torch.zeros((2, 2, num_kv_heads, tokens, head_dim), dtype=dtype, device=device)
         self.device = device
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch") if device.type == "cpu" else None
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the copies' stream (CUDA)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-fetch")
         self._plan: list[tuple[int, torch.Tensor]] = []   # exact pieces, in the order they are attended to
         self._next = 0                                     # index of the next piece to take
-        self._pending: Future | None = None
+        self._pending: Future | None = None                # -> (tokens, the copies' CUDA event or None)
         self._host: torch.Tensor | None = None             # [num_slots, L, 2, H, T, D] view of the DRAM slots
         self._host_bytes = None                            # its numpy byte view (CPU)
         self._buffer_bytes = byte_array(self.buffer) if device.type == "cpu" else None
-        # the copies themselves (on the fetch thread for exact pieces), for copy bandwidth vs a memcpy
+        # CUDA: (start, done) events of this step's copies, read once the step ends (no sync per piece)
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()  # the fetch thread and a sparse gather on the step thread both count
+        # the copies themselves, for copy bandwidth vs a memcpy: bytes, and seconds on the CPU's fetch
+        # thread or, on CUDA, on the stream between each piece's events (overlapped or not)
         self.copied_bytes = 0
-        self.copy_seconds = 0.0
+        self._copy_seconds = 0.0
 
     @property
     def host(self) -> torch.Tensor | None:
@@ -173,12 +193,21 @@ class FetchArea:
     @host.setter
     def host(self, payloads: torch.Tensor) -> None:
         """`[num_slots, L, 2, H, T, D]` view of the host memory's slots (`TierManager.host_payloads`)."""
+        if self._side is not None and not payloads.is_pinned():
+            # a non_blocking copy from pageable memory is staged by the driver: correct, never overlapped
+            raise ValueError("offload on CUDA needs the DRAM tier's slots in pinned memory (HostTier pins its "
+                             "arena when CUDA is available)")
         self._host = payloads
         self._host_bytes = byte_array(payloads) if payloads.device.type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
+
+    @property
+    def copy_seconds(self) -> float:
+        """Seconds the copies took (on CUDA: those of the steps that have ended)."""
+        return self._copy_seconds
 
     # -- exact: a plan of pieces, fetched one ahead ---------------------------------------------
     def begin(self, plan: list[tuple[int, torch.Tensor]]) -> None:
@@ -188,56 +217,104 @@ class FetchArea:
             self._pending = self._submit(0)
 
     def take(self) -> tuple[int, int, float]:
-        """The next planned piece: (its half, its tokens there, the seconds waited for it)."""
+        """The next planned piece: (its half, its tokens there, the seconds waited for it: on CUDA the
+        host's wait for the copies to be issued, not the device's for them to land)."""
         i = self._next
+        assert self._pending is not None, f"take() past the plan of {len(self._plan)} pieces"
         start = time.perf_counter()
-        num_tokens = self._pending.result() if self._pending is not None else self._fetch(i)
+        num_tokens, done = self._pending.result()
         waited = time.perf_counter() - start
         self._next += 1
         self._pending = self._submit(self._next) if self._next < len(self._plan) else None
+        if done is not None:  # the compute stream (not the host) waits for piece i's copies
+            torch.cuda.current_stream(self.device).wait_event(done)
         return i % 2, num_tokens, waited
 
-    def _submit(self, i: int) -> Future | None:
-        if self._pool is None:
-            return None  # CUDA: fetched at take() on the current stream
-        return self._pool.submit(self._fetch, i)
+    def _submit(self, i: int) -> Future:
+        # Piece i lands in the half piece i - 2 was attended from. Pieces are taken in order, so every
+        # read of piece i - 2 (and any sparse gather into that half) was queued before piece i - 1 was
+        # taken, i.e. before now: on CUDA the copies wait for this event on the compute stream (on the
+        # CPU those reads have simply run).
+        free = None
+        if self._side is not None:
+            free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(self.device))
+        return self._pool.submit(self._fetch, i, free)
 
-    def _fetch(self, i: int) -> int:
+    def _fetch(self, i: int, free: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
         layer, slots = self._plan[i]
-        return self.gather(layer, slots[:, None].expand(-1, self.buffer.shape[2]), half=i % 2)
+        return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, self._side, free)
 
     def spare_half(self) -> int:
         """The half no exact piece is being fetched into now (sparse fetches go there)."""
         return (self._next + 1) % 2 if self._pending is not None else self._next % 2
 
     def gather(self, layer: int, slots: torch.Tensor, half: int) -> int:
-        """Layer `layer` of host blocks into one half: slots [n, H], block j of head h is `slots[j, h]`
-        (exact: the same for every head; sparse: each head its own). Lands at tokens [0, n T) of the
-        half, each head's K and V contiguous. Returns n T."""
+        """Layer `layer` of host blocks into one half: slots [n, H] (a CPU tensor), block j of head h is
+        `slots[j, h]` (exact: the same for every head; sparse: each head its own). Lands at tokens
+        [0, n T) of the half, each head's K and V contiguous. Returns n T. On CUDA the copies are queued
+        on the current stream (attention after it on that stream sees them)."""
+        return self._copy(layer, slots, half)[0]
+
+    def _copy(self, layer: int, slots: torch.Tensor, half: int, stream: torch.cuda.Stream | None = None,
+              after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:
         n, h = slots.shape
         assert n <= self.half_blocks, (n, self.half_blocks)
+        assert slots.device.type == "cpu", "host slots are host metadata: reading them from a device would sync"
+        rows = slots.tolist()
+        per_block = all(len(set(row)) == 1 for row in rows)  # every head the same block: one copy per block
+        num_bytes = 2 * h * n * self.block_tokens * self.buffer.shape[-1] * self.buffer.element_size()
+        if self._side is None:
+            start = time.perf_counter()
+            self._memcpy(layer, rows, half, per_block)
+            self._count(num_bytes, time.perf_counter() - start)
+            return n * self.block_tokens, None
+        done = self._cuda_copy(layer, rows, half, per_block, stream, after)
+        self._count(num_bytes, 0.0)  # its time: from its events, at end()
+        return n * self.block_tokens, done
+
+    def _memcpy(self, layer: int, rows: list[list[int]], half: int, per_block: bool) -> None:
+        # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
+        # beside a forward that already uses them (the same reason as RawArena.write_block)
         t = self.block_tokens
-        start = time.perf_counter()
-        if self.device.type == "cpu":
-            # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
-            # beside a forward that already uses them (the same reason as RawArena.write_block)
-            dst, src = self._buffer_bytes[half], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
-            rows = slots.tolist()
-            if all(len(set(row)) == 1 for row in rows):  # every head the same block: one copy per block
-                for j, row in enumerate(rows):
-                    dst[:, :, j * t:(j + 1) * t] = src[row[0]]
-            else:
-                for j, row in enumerate(rows):
-                    for head, slot in enumerate(row):
-                        dst[:, head, j * t:(j + 1) * t] = src[slot, :, head]
+        dst, src = self._buffer_bytes[half], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
+        if per_block:
+            for j, row in enumerate(rows):
+                dst[:, :, j * t:(j + 1) * t] = src[row[0]]
         else:
-            host_layer = self.host[:, layer]  # [S, 2, H, T, D]
-            heads = torch.arange(h, device=slots.device)
-            picked = host_layer[slots.T, :, heads[:, None]]  # [H, n, 2, T, D]
-            self.buffer[half, :, :, :n * t].copy_(picked.permute(2, 0, 1, 3, 4).reshape(2, h, n * t, -1))
-        self.copy_seconds += time.perf_counter() - start
-        self.copied_bytes += 2 * h * n * t * self.buffer.shape[-1] * self.buffer.element_size()
-        return n * t
+            for j, row in enumerate(rows):
+                for head, slot in enumerate(row):
+                    dst[:, head, j * t:(j + 1) * t] = src[slot, :, head]
+
+    def _cuda_copy(self, layer: int, rows: list[list[int]], half: int, per_block: bool,
+                   stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> torch.cuda.Event:
+        """Queue the copies on `stream` (default: the current one), after `after`; returns their event."""
+        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        t = self.block_tokens
+        host, dst = self._host[:, layer], self.buffer[half]  # [S, 2, H, T, D] pinned, [2, H, tokens, D]
+        start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            start.record(stream)
+            for j, row in enumerate(rows):
+                if per_block:
+                    # [2, H, T, D], contiguous in the slot, into a strided range of the half: torch makes
+                    # it one cudaMemcpyAsync into a temporary on this stream (a layer-block, from the
+                    # allocator's cache, outside the budget) and one device copy kernel (Copy.cu)
+                    dst[:, :, j * t:(j + 1) * t].copy_(host[row[0]], non_blocking=True)
+                    continue
+                for head, slot in enumerate(row):
+                    for kv in range(2):  # a head's K (V) is T x D contiguous on both sides: one cudaMemcpyAsync
+                        dst[kv, head, j * t:(j + 1) * t].copy_(host[slot, kv, head], non_blocking=True)
+            done.record(stream)
+        self._timings.append((start, done))
+        return done
+
+    def _count(self, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            self.copied_bytes += num_bytes
+            self._copy_seconds += seconds
 
     def kv(self, half: int, num_tokens: int) -> torch.Tensor:
         """[2, H, num_tokens, D]: the first tokens of a half."""
@@ -253,14 +330,28 @@ class FetchArea:
         return self.buffer[half, :, :, :num_tokens + m]
 
     def end(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-        self._plan, self._pending = [], None
+        """After the step's forward (also a failed one): the fetch thread idle, and on CUDA every copy
+        queued this step landed, its time added up."""
+        pending, self._plan, self._pending = self._pending, [], None
+        try:
+            if pending is not None:
+                pending.result()
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        # Waits on the step's own events only (no device-wide sync). A copy reads a host slot when the
+        # device runs it: once the step is over the engine may unpin the slot and a put may rewrite it.
+        seconds = 0.0
+        for start, done in self._timings:
+            done.synchronize()
+            seconds += start.elapsed_time(done) / 1e3  # milliseconds
+        self._timings.clear()
+        self._count(0, seconds)
 
     def close(self) -> None:
         self.end()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
 
 class OffloadAttention:
@@ -348,7 +439,8 @@ class OffloadAttention:
         """Quest's pick for each KV head: the host slots [k, H] of its top blocks, in context order."""
         k = off.mode.num_fetched(off.slots.numel())
         top = select_blocks(quest_scores(off.summaries[:, layer], q4[:, :, -1]), k)  # [k, H]
-        return off.slots[top.to(off.slots.device)]
+        # the host issues the copies, so it must know the pick: on CUDA this read-back waits for the layer
+        return off.slots[top.cpu()]
 
     def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> None:
         buffer = self.fetch.buffer
