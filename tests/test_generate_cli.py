@@ -23,10 +23,12 @@ def test_shared_options_have_the_serve_defaults_and_help():
     (["--block-tokens", "0"], "kvtier: error: EngineConfig.block_tokens must be positive, got 0\n"),
     (["--codec", "zip"], "kvtier: error: unknown codec 'zip': use one of raw, fp8, int8, int4, int2, optionally "
                          "with '+zstd'\n"),
-    (["--kv-codec", "int4", "--device-kv-budget", "1MiB"],
-     "kvtier: error: --kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine\n"),
-    (["--kv-offload", "exact"],
-     "kvtier: error: --kv-offload needs --device-kv-budget (the device memory the request exceeds)\n"),
+    (["--kv-codec", "int4", "--kv-offload", "exact"],
+     "kvtier: error: kv_offload needs the raw device and tier formats (kv_codec 'int4', codec 'raw'): offloaded "
+     "blocks are attended to as they are\n"),
+    (["--device-kv-budget", "1MiB"],
+     "kvtier: error: --device-kv-budget runs the serving engine and needs --kv-offload exact|sparse:BUDGET "
+     "(--kv-offload alone offloads through TieredCache)\n"),
     (["--kv-offload", "sometimes"], "kvtier: error: kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 "
                                     "or a number of blocks), got 'sometimes'\n"),
 ])
@@ -57,3 +59,29 @@ def test_kv_offload_generates_through_the_engine_exactly(tiny_model):
         manager.close()
     assert result.text == str(ref) and result.new_tokens == len(ref)
     assert result.offload["mode"] == "exact" and result.offload["host_kv_bytes"] > 0
+
+
+def test_kv_offload_without_a_budget_generates_through_tiered_cache(tiny_model):
+    """`--kv-offload` alone: `run_generate`'s TieredCache keeps block windows; a budget over every host
+    block decodes model.generate's tokens, and the result reports what the offload moved."""
+    import torch
+
+    from kvtier.generate_cli import run_generate
+    from kvtier.tiers.manager import build_manager
+
+    prompt = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = tiny_model.model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, 70:].tolist()
+    results = {}
+    for mode in ("sparse:1000", "sparse:1"):
+        manager = build_manager(["dram:8MiB"], slot_bytes=tiny_model.kv_layout(8).block_bytes + 4096)
+        try:
+            results[mode] = run_generate(tiny_model, manager, prompt, max_new_tokens=12, block_tokens=8,
+                                         kv_offload=mode)
+        finally:
+            manager.close()
+    whole, one = results["sparse:1000"], results["sparse:1"]
+    assert whole.text == str(ref) and whole.stored_blocks == (70 + 11) // 8
+    assert whole.offload["mode"] == "sparse:1000" and whole.offload["host_kv_bytes"] > 0
+    # one host block per layer and KV head per decode token: 2 layers x 8 tokens x 256 bytes (K + V, 2 heads)
+    assert one.offload["fetched_bytes_per_decode_token"] == 2 * 8 * 256
+    assert 0 < one.offload["fetched_bytes_per_decode_token"] < whole.offload["fetched_bytes_per_decode_token"] / 4

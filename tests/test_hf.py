@@ -1,4 +1,4 @@
-"""TieredCache: lossless equality with DynamicCache, prefix reuse through the tiers, device budget."""
+"""TieredCache: lossless equality with DynamicCache, prefix reuse through the tiers (offload: test_hf_offload.py)."""
 
 from __future__ import annotations
 
@@ -194,18 +194,6 @@ def _file_of_block(tmp_path, loaded, ids, index):
     return path
 
 
-def test_device_budget_offloads_excess_layers_and_keeps_tokens(tiny_model):
-    ids = _prompt(100)
-    per_layer_bytes = 2 * 2 * 16 * 4  # K+V x kv heads x head_dim x fp32 per token per layer
-    budget = per_layer_bytes * 180  # layer 0 (<=159 tokens) fits on the "device"; layer 1 goes to the host
-    expected = _greedy(tiny_model, ids, DynamicCache(config=tiny_model.config), n=60)
-    cache = TieredCache.for_model(tiny_model, block_tokens=BLOCK, device_kv_budget_bytes=budget)
-    assert _greedy(tiny_model, ids, cache, n=60) == expected
-    assert cache.num_offloaded_layers == 1
-    assert cache.resident_bytes <= budget
-    assert cache.resident_bytes + cache.offloaded_bytes == per_layer_bytes * 2 * 159
-
-
 def _generate_in_two_processes(specs: list[str]) -> tuple[dict, dict]:
     """`run_generate` (what `kvtier generate` runs) twice, as two processes on the same tier specs."""
     script = f"""
@@ -282,8 +270,3 @@ def test_quantized_resident_prefix_round_trips_through_the_tiers(tmp_path, tiny_
             assert torch.equal(a, b)
     assert len(_greedy(tiny_model, ids, second)) == 12
     manager.close()
-
-
-def test_quantized_resident_refuses_a_layer_offload_budget(tiny_model):
-    with pytest.raises(ValueError, match="resident_codec"):
-        TieredCache.for_model(tiny_model, block_tokens=BLOCK, resident_codec="int8", device_kv_budget_bytes=1 << 20)

@@ -2,6 +2,8 @@
 
 Run it twice on the same `--ssd-dir` as two processes: the second run finds the prompt's full
 blocks on SSD (or in the pool), skips that part of the prefill, and prints the same text.
+`--kv-offload exact|sparse:1/8` keeps each layer's middle blocks in host memory (`TieredCache`'s
+block windows); with `--device-kv-budget` too, the serving engine runs it on that device budget.
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ class _FirstTokenTimer:
         pass
 
 
-def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw",
-                 device_kv_budget_bytes: int | None = None, block_tokens: int = 256,
-                 kv_codec: str = "raw") -> GenerateResult:
+def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw", block_tokens: int = 256,
+                 kv_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
+                 offload_recent_blocks: int = 2) -> GenerateResult:
     """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""
     import torch
 
@@ -84,8 +86,9 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
     device = loaded.model.device
     ids = torch.tensor([prompt_ids], device=device)
     start = time.perf_counter()
-    cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens,
-                                  device_kv_budget_bytes=device_kv_budget_bytes, resident_codec=kv_codec)
+    cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens, resident_codec=kv_codec,
+                                  kv_offload=kv_offload, offload_sink_blocks=offload_sink_blocks,
+                                  offload_recent_blocks=offload_recent_blocks)
     cached = cache.load_prefix(ids, reserve_tokens=max_new_tokens)
     timer = _FirstTokenTimer()
     with torch.inference_mode():
@@ -101,12 +104,13 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
         text=text, ttft_s=first - start, total_s=end - start, prompt_tokens=len(prompt_ids),
         cached_tokens=cached, new_tokens=len(new_ids),
         decode_tokens_per_s=(len(new_ids) - 1) / (end - first) if len(new_ids) > 1 and end > first else 0.0,
-        hit_tokens_by_tier=dict(cache.prefix.hit_tokens_by_tier), stored_blocks=stored)
+        hit_tokens_by_tier=dict(cache.prefix.hit_tokens_by_tier), stored_blocks=stored,
+        offload=cache.offload_stats.to_dict() if cache.offload is not None else None)
 
 
 def run_engine_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, config) -> GenerateResult:
-    """`--kv-offload`: the same greedy generation through the serving engine (`LLMEngine`), whose
-    device budget may be smaller than the request: its middle blocks live in the DRAM tier."""
+    """`--kv-offload` with `--device-kv-budget`: the same greedy generation through the serving engine
+    (`LLMEngine`), whose device budget may be smaller than the request: its middle blocks live in the DRAM tier."""
     from kvtier.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(loaded, config, manager)
@@ -172,14 +176,15 @@ def register(app: typer.Typer) -> None:
         tiers: str = typer.Option(DEFAULT_TIERS, help="comma list of dram, ssd, mooncake, redis"),
         ssd_dir: str = typer.Option(None, help="SSD tier directory (default: <cache dir>/ssd)"),
         pool_url: str = typer.Option(None, help="mooncake master host:port or redis://host:port/db"),
-        device_kv_budget: str = typer.Option(None, help="device KV budget, e.g. 256MiB; the rest lives on the host "
-                                                        "(not with a quantized --kv-codec)"),
+        device_kv_budget: str = typer.Option(None, help="with --kv-offload: run through the serving engine on this "
+                                                        "device KV budget, e.g. 256MiB (without it: TieredCache, "
+                                                        "whose device window is the sink + recent blocks)"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
         *, settings: dict,
     ) -> None:
         """Generate with TieredCache: prefix hits from DRAM / pool / SSD, per-tier statistics. With
-        --kv-offload (and --device-kv-budget), through the serving engine: a prompt longer than the
-        device budget keeps its middle blocks in the DRAM tier."""
+        --kv-offload, each layer keeps its sink + recent blocks on the device and the middle ones in
+        host memory; with --device-kv-budget too, through the serving engine on that budget."""
         from kvtier import models
         from kvtier.codecs import get_codec
         from kvtier.config import EngineConfig, from_settings
@@ -190,27 +195,27 @@ def register(app: typer.Typer) -> None:
             raise UserError("give exactly one of --prompt or --prompt-file")
         model = settings.pop("model")
         shared = from_settings(EngineConfig, settings, what="generate")  # checked as `kvtier serve` checks them
-        if shared.kv_codec != "raw" and device_kv_budget:
-            raise UserError("--kv-codec (quantized resident KV) and --device-kv-budget (layer offload) do not combine")
-        if shared.offload_mode() is not None and not device_kv_budget:
-            raise UserError("--kv-offload needs --device-kv-budget (the device memory the request exceeds)")
+        budget = parse_bytes(device_kv_budget) if device_kv_budget else None
+        if budget is not None and shared.offload_mode() is None:
+            raise UserError("--device-kv-budget runs the serving engine and needs --kv-offload exact|sparse:BUDGET "
+                            "(--kv-offload alone offloads through TieredCache)")
         text = prompt if prompt is not None else prompt_file.read_text()
         loaded = models.load(model)
         if loaded.tokenizer is None:
             raise UserError(f"model {model!r} has no tokenizer; generate needs one")
-        budget = parse_bytes(device_kv_budget) if device_kv_budget else None
         layout = loaded.kv_layout(shared.block_tokens)
         manager = build_manager(tier_specs(tiers, ssd_dir=ssd_dir, pool_url=pool_url),
                                 slot_bytes=get_codec(shared.codec).max_encoded_bytes(layout))
         prompt_ids = loaded.tokenizer(text).input_ids
         try:
-            if shared.offload_mode() is not None:
+            if budget is not None:
                 config = replace(shared, device_kv_budget_bytes=budget)
                 result = run_engine_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens, config=config)
             else:
-                result = run_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens,
-                                      codec=shared.codec, device_kv_budget_bytes=budget,
-                                      block_tokens=shared.block_tokens, kv_codec=shared.kv_codec)
+                result = run_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens, codec=shared.codec,
+                                      block_tokens=shared.block_tokens, kv_codec=shared.kv_codec,
+                                      kv_offload=shared.kv_offload, offload_sink_blocks=shared.offload_sink_blocks,
+                                      offload_recent_blocks=shared.offload_recent_blocks)
             manager.flush()
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:

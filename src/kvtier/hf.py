@@ -11,17 +11,32 @@ Four things over `DynamicCache`:
 - prefix reuse across requests and processes (blocks keyed by `kvtier.blocks`, bytes by `kvtier.codecs`);
 - in-place growth with capacity doubling, so a decode step copies one token's KV, not the whole
   cache (`DynamicLayer` re-concatenates every layer on every step);
-- a device byte budget: layers past the budget keep their KV in (pinned) host memory and are
-  streamed back layer by layer, the next layer's copy overlapping the current layer's compute
-  on a side CUDA stream (the peer is `DynamicCache(offloading=True)`, which moves every layer);
+- contexts larger than the device (issue 18, `kv_offload`, the layers of `hf_offload`): each layer
+  keeps `offload_sink_blocks` + `offload_recent_blocks` blocks on the device and its middle blocks in
+  (pinned) host memory; `exact` attends to all of them (token-identical to `DynamicCache`), `sparse:BUDGET`
+  at a decode step to the top blocks of each KV head by Quest's bound, picked by the engine's functions;
 - optionally quantized resident KV (`resident_codec`: fp8, int8, KIVI int4/int2, the layers of
   `levers.quantized_cache` with their full-precision residual), whose blocks go to the tiers as
   attention sees them, in a key space of their own.
+
+    cache = TieredCache.for_model(loaded, manager, kv_offload="sparse:1/8")   # or "exact"
+    out = model.generate(input_ids, past_key_values=cache, ...)
+    cache.offload_stats.fetched_bytes_per_token                             # host -> device per decode token
+
+Why block windows, and no longer whole layers past a byte budget (`device_kv_budget_bytes`, until
+issue 18): a layer kept whole grows with the context, so the resident KV had no bound but the
+context's; a window's is fixed, (sink + recent) blocks per layer. `exact` over the same window is
+the reference `sparse` is measured against (a budget covering every host block is `exact`, as in the
+engine), and it stays token-identical to `DynamicCache` (it returns the same K/V values). What it
+gives up: with a budget that held most layers whole, the old scheme moved only the other layers'
+KV per step; `exact` moves every layer's middle blocks (on CUDA staged on a side stream during the
+layer before, as the old scheme did — not yet run on a GPU).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -29,6 +44,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeyChain, KeySpace, KVLayout, key_codec
 from kvtier.codecs import get_codec
 from kvtier.codecs.codec import byte_array
+from kvtier.config import OffloadMode, parse_offload
+from kvtier.engine.offload import OffloadStats
+from kvtier.hf_offload import OffloadLayer, QueryTap
 from kvtier.transfer import BlockMover
 
 _MIN_CAPACITY_TOKENS = 256
@@ -91,27 +109,19 @@ class _Kept(list):
 class TieredLayer(DynamicLayer):
     """A `DynamicLayer` over a preallocated buffer that grows by doubling.
 
-    `keys`/`values` are views `[B, H, n, D]` of `_k_buf`/`_v_buf` `[B, H, capacity, D]`. When
-    `offloaded`, the buffers live on `host_device` and each `update` returns device copies
-    (staged by `TieredCache`'s prefetch); on a CPU-only machine host and device coincide.
+    `keys`/`values` are views `[B, H, n, D]` of `_k_buf`/`_v_buf` `[B, H, capacity, D]`.
     """
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
-        self.offloaded = False
-        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[..., :0, :]
         self.values = value_states[..., :0, :]
         self.is_initialized = True
-
-    @property
-    def storage_device(self) -> torch.device:
-        return torch.device("cpu") if self.offloaded else self.device
 
     def reserve(self, key_like: torch.Tensor, num_tokens: int) -> None:
         """Make room for `num_tokens` in total without reallocating later."""
@@ -120,9 +130,8 @@ class TieredLayer(DynamicLayer):
             return
         b, h, _, d = key_like.shape
         capacity = max(num_tokens, _MIN_CAPACITY_TOKENS)
-        pin = self.storage_device.type == "cpu" and torch.cuda.is_available()
-        k_buf = torch.empty((b, h, capacity, d), dtype=key_like.dtype, device=self.storage_device, pin_memory=pin)
-        v_buf = torch.empty_like(k_buf, pin_memory=pin) if pin else torch.empty_like(k_buf)
+        k_buf = torch.empty((b, h, capacity, d), dtype=key_like.dtype, device=self.device)
+        v_buf = torch.empty_like(k_buf)
         if n:
             k_buf[..., :n, :].copy_(self.keys)
             v_buf[..., :n, :].copy_(self.values)
@@ -135,7 +144,6 @@ class TieredLayer(DynamicLayer):
             self.set_length(0)
         else:
             super().reset()
-        self._staged = None
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The preallocated K and V buffers [B, H, capacity, D] (after `reserve`)."""
@@ -151,17 +159,6 @@ class TieredLayer(DynamicLayer):
             return False
         return self.keys.numel() == 0 or self.keys.data_ptr() == self._k_buf.data_ptr()
 
-    def move_to_host(self) -> None:
-        """From now on this layer's KV lives in host memory (pinned when CUDA is present)."""
-        self.offloaded = True
-        if self._k_buf is None or self._k_buf.device.type == "cpu":
-            return
-        n = self.get_seq_length()
-        pin = torch.cuda.is_available()
-        self._k_buf = self._k_buf.to("cpu").pin_memory() if pin else self._k_buf.to("cpu")
-        self._v_buf = self._v_buf.to("cpu").pin_memory() if pin else self._v_buf.to("cpu")
-        self.keys, self.values = self._k_buf[..., :n, :], self._v_buf[..., :n, :]
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -173,23 +170,7 @@ class TieredLayer(DynamicLayer):
         self._k_buf[..., n:n + t, :].copy_(key_states, non_blocking=True)
         self._v_buf[..., n:n + t, :].copy_(value_states, non_blocking=True)
         self.keys, self.values = self._k_buf[..., :n + t, :], self._v_buf[..., :n + t, :]
-        if self.storage_device == key_states.device:
-            return self.keys, self.values
-        return self._device_views(key_states, value_states, n)
-
-    def _device_views(self, key_states: torch.Tensor, value_states: torch.Tensor, n: int):
-        staged = self._staged
-        self._staged = None
-        if staged is None or staged[0].shape[-2] < n:
-            staged = (self._k_buf[..., :n, :].to(key_states.device), self._v_buf[..., :n, :].to(key_states.device))
-        keys = torch.cat([staged[0][..., :n, :], key_states], dim=-2)
-        values = torch.cat([staged[1][..., :n, :], value_states], dim=-2)
-        return keys, values
-
-    def stage(self, device: torch.device) -> None:
-        """Start copying the host-resident KV to `device` (called on the prefetch stream)."""
-        if self.offloaded and self.is_initialized and self.get_seq_length():
-            self._staged = (self.keys.to(device, non_blocking=True), self.values.to(device, non_blocking=True))
+        return self.keys, self.values
 
     def nbytes(self) -> int:
         if not self.is_initialized:
@@ -200,14 +181,17 @@ class TieredLayer(DynamicLayer):
 class TieredCache(Cache):
     """A transformers `Cache` whose full blocks are shared through kvtier's tiers.
 
-    Lossless codecs give token-for-token the same greedy output as `DynamicCache`. One sequence
-    (batch size 1) per cache object when prefix reuse is used.
+    Lossless codecs give token-for-token the same greedy output as `DynamicCache`, with or without
+    `kv_offload="exact"`. One sequence (batch size 1) per cache object when prefix reuse or sparse
+    offload is used. `kv_offload`: None / "off", "exact", "sparse:1/8" (a fraction of the host blocks)
+    or "sparse:4" (blocks per layer and KV head) — `kvtier.config.parse_offload`; a sparse cache needs
+    the model whose queries pick the blocks (`for_model` passes it).
     """
 
     def __init__(self, config, manager=None, *, model_fingerprint: str, codec: str = "raw",
-                 namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 device_kv_budget_bytes: int | None = None, dtype: torch.dtype = torch.float32,
-                 resident_codec: str = "raw") -> None:
+                 namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: torch.dtype = torch.float32,
+                 resident_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
+                 offload_recent_blocks: int = 2, model: torch.nn.Module | None = None) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types) or getattr(text_config, "sliding_window", None) \
@@ -223,16 +207,19 @@ class TieredCache(Cache):
         # restores and saves: the one block mover (saves on the caller's thread, as `store` returns)
         self.mover = BlockMover(manager, self.codec, layout=self.layout, synchronous=True) if manager else None
         self.chain = KeyChain(self.space)  # this sequence's keys, grown with its tokens, never rehashed
-        self.device_kv_budget_bytes = device_kv_budget_bytes
         self.prefix = PrefixStats()
         self._num_stored_blocks = 0
-        self._prefetch_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        super().__init__(layers=_layers(self.layout.num_layers, resident_codec, device_kv_budget_bytes))
+        self.offload: OffloadMode | None = parse_offload(kv_offload)  # ValueError for a bad string
+        exact = self.offload is not None and self.offload.kind == "exact"
+        self._prefetch_stream = torch.cuda.Stream() if exact and torch.cuda.is_available() else None
+        super().__init__(layers=_layers(self.layout, resident_codec, self.offload, offload_sink_blocks,
+                                        offload_recent_blocks, model))
 
     @classmethod
     def for_model(cls, loaded, manager=None, **kwargs) -> "TieredCache":
         """Build from a `kvtier.models.LoadedModel` (its fingerprint and dtype)."""
         kwargs.setdefault("dtype", loaded.model.dtype)
+        kwargs.setdefault("model", loaded.model)
         return cls(loaded.model.config, manager, model_fingerprint=loaded.fingerprint, **kwargs)
 
     def reset(self) -> None:
@@ -245,10 +232,9 @@ class TieredCache(Cache):
 
     # -- the Cache hot path -------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self._prefetch_stream is not None and not self.quantized:
+        if self._prefetch_stream is not None and key_states.device.type == "cuda":
             torch.cuda.current_stream(key_states.device).wait_stream(self._prefetch_stream)
             self._prefetch_next(layer_idx, key_states.device)
-        self._apply_budget(layer_idx, key_states)
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     @property
@@ -261,30 +247,47 @@ class TieredCache(Cache):
         with torch.cuda.stream(self._prefetch_stream):
             self.layers[next_idx].stage(device)
 
-    def _apply_budget(self, layer_idx: int, key_states: torch.Tensor) -> None:
-        """Layers whose cumulative bytes pass the budget keep their KV on the host."""
-        if self.device_kv_budget_bytes is None:
-            return
-        layer = self.layers[layer_idx]
-        if layer.offloaded:
-            return
-        b, h, t, d = key_states.shape
-        upcoming = layer.nbytes() + 2 * b * h * t * d * key_states.element_size()
-        before = sum(other.nbytes() for other in self.layers[:layer_idx] if not other.offloaded)
-        if before + upcoming > self.device_kv_budget_bytes:
-            layer.move_to_host()
-
+    # -- what the KV costs where (device, host, the host -> device link) ---------------------------
     @property
     def resident_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if not _offloaded(layer))
+        """KV on the device: every token's, or with `kv_offload` the windows (allocated whole)."""
+        return sum(layer.nbytes() for layer in self.layers)
 
     @property
     def offloaded_bytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers if _offloaded(layer))
+        """KV in host memory: the middle blocks of every layer (0 without `kv_offload`)."""
+        return sum(layer.host_bytes() for layer in self._offload_layers())
 
     @property
-    def num_offloaded_layers(self) -> int:
-        return sum(_offloaded(layer) for layer in self.layers)
+    def summary_bytes(self) -> int:
+        """Quest's per-block key min/max on the device (sparse), apart from the KV."""
+        return sum(layer.summary_bytes() for layer in self._offload_layers())
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Host -> device KV bytes since the cache was made (or reset)."""
+        return sum(layer.fetched_bytes for layer in self._offload_layers())
+
+    @property
+    def fetched_bytes_per_token(self) -> float:
+        """Host -> device KV bytes per decode step (one-token update), all layers."""
+        return self.offload_stats.fetched_bytes_per_token
+
+    @property
+    def offload_stats(self) -> OffloadStats:
+        """The engine's record of an offloaded request (`RequestOutput.offload`), for this sequence."""
+        layers = self._offload_layers()
+        if not layers:
+            return OffloadStats()
+        return OffloadStats(mode=str(self.offload), peak_device_kv_bytes=self.resident_bytes,
+                            host_kv_bytes=self.offloaded_bytes, summary_bytes=self.summary_bytes,
+                            fetched_bytes=self.fetched_bytes,
+                            fetch_seconds=sum(layer.fetch_seconds for layer in layers),
+                            num_decode_tokens=layers[0].num_decode_steps,
+                            decode_fetched_bytes=sum(layer.decode_fetched_bytes for layer in layers))
+
+    def _offload_layers(self) -> list[OffloadLayer]:
+        return [layer for layer in self.layers if isinstance(layer, OffloadLayer)]
 
     # -- prefix reuse ---------------------------------------------------------------------------
     def load_prefix(self, input_ids: torch.Tensor, *, reserve_tokens: int = 0) -> int:
@@ -309,7 +312,12 @@ class TieredCache(Cache):
         if not len(match):
             return 0
         capacity = len(token_ids) + reserve_tokens
-        tiers = self._fill_quantized(match) if self.quantized else self._fill(match, capacity)
+        if self.quantized:
+            tiers = self._fill_quantized(match)
+        elif self.offload is not None:
+            tiers = self._fill_window(match, capacity)
+        else:
+            tiers = self._fill(match, capacity)
         if not tiers:
             return 0
         num_cached = len(tiers) * block_tokens
@@ -322,23 +330,36 @@ class TieredCache(Cache):
     def _fill(self, match, capacity_tokens: int) -> list[str]:
         """Stream the matched blocks ([L, 2, H, T, D] each) straight into the layers' buffers: each
         block is verified just before it is copied (so the copy reads it from cache), one copy per
-        block and layer, no concatenation; the budget decides where each layer lives. Returns the
-        tier each restored block came from (fewer than matched: the prefix ended at a bad block)."""
-        device = self._compute_device()
+        block and layer, no concatenation. Returns the tier each restored block came from (fewer
+        than matched: the prefix ended at a bad block)."""
         h, d = self.layout.num_kv_heads, self.layout.head_dim
-        num_matched = len(match) * self.layout.block_tokens
-        for layer_idx, layer in enumerate(self.layers):
-            like = torch.empty((1, h, num_matched, d), dtype=self.layout_dtype, device="meta")
-            self._apply_budget(layer_idx, like)
-            if not layer.is_initialized:
-                empty = torch.empty((1, h, 0, d), dtype=self.layout_dtype, device=device)
-                layer.lazy_initialization(empty, empty)
+        like = torch.empty((1, h, len(match) * self.layout.block_tokens, d), dtype=self.layout_dtype, device="meta")
+        self._initialize_layers()
+        for layer in self.layers:
             layer.reserve(like, capacity_tokens)
         copy = _BlockCopier([layer.buffers() for layer in self.layers])
         tiers = self.mover.restore(match, copy.at(self.layout.block_tokens)).tiers  # DRAM: read in its slots
         for layer in self.layers:
             layer.set_length(len(tiers) * self.layout.block_tokens)
         return tiers
+
+    def _fill_window(self, match, capacity_tokens: int) -> list[str]:
+        """Offloaded layers: the sink blocks into the device windows, the others into host memory;
+        `OffloadLayer.restored` then moves the last ones into the recent window."""
+        self._initialize_layers()
+        for layer in self.layers:
+            layer.reserve_host(-(-capacity_tokens // self.layout.block_tokens))
+        tiers = self.mover.restore(match, _WindowSink(self.layers)).tiers
+        for layer in self.layers:
+            layer.restored(len(tiers))
+        return tiers
+
+    def _initialize_layers(self) -> None:
+        empty = torch.empty((1, self.layout.num_kv_heads, 0, self.layout.head_dim), dtype=self.layout_dtype,
+                            device=self._compute_device())
+        for layer in self.layers:
+            if not layer.is_initialized:
+                layer.lazy_initialization(empty, empty)
 
     def _fill_quantized(self, match) -> list[str]:
         """Quantized resident layers quantize whole groups as they take them (the rest stays exact):
@@ -385,23 +406,40 @@ class TieredCache(Cache):
         end = start + self.layout.block_tokens
         if self.quantized:
             per_layer = [torch.stack([kv[0] for kv in layer.token_range(start, end)]) for layer in self.layers]
+        elif self.offload is not None:  # in a window or in host memory
+            per_layer = [torch.stack(layer.block_kv(block_idx)) for layer in self.layers]
         else:
             per_layer = [torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]])
                          for layer in self.layers]
         return torch.stack(per_layer).cpu()
 
 
-def _offloaded(layer) -> bool:
-    """Quantized resident layers never offload (a budget and a quantized format do not combine)."""
-    return isinstance(layer, TieredLayer) and layer.offloaded
+@dataclass(slots=True)
+class _WindowSink:
+    """The mover's sink for offloaded layers: block i of the prefix, every layer (`OffloadLayer.write_block`)."""
+
+    layers: list[OffloadLayer]
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        for layer_idx, layer in enumerate(self.layers):
+            layer.write_block(index, block[layer_idx, 0], block[layer_idx, 1])
 
 
-def _layers(num_layers: int, resident_codec: str, device_kv_budget_bytes: int | None) -> list:
+def _layers(layout: KVLayout, resident_codec: str, offload: OffloadMode | None, sink_blocks: int,
+            recent_blocks: int, model: torch.nn.Module | None) -> list:
+    num_layers = layout.num_layers
+    if offload is not None:
+        if resident_codec != "raw":
+            raise ValueError(f"kv_offload attends to host blocks as they are: use resident_codec='raw' with it "
+                             f"(got {resident_codec!r})")
+        if offload.kind == "sparse" and model is None:
+            raise ValueError("sparse kv_offload picks blocks with each decode step's query: build the cache with "
+                             "TieredCache.for_model(loaded, ...) or pass model=")
+        tap = QueryTap.of(model) if offload.kind == "sparse" else None
+        return [OffloadLayer(offload, layout.block_tokens, sink_blocks, recent_blocks,
+                             partial(tap.query, i) if tap else None) for i in range(num_layers)]
     if resident_codec == "raw":
         return [TieredLayer() for _ in range(num_layers)]
-    if device_kv_budget_bytes is not None:
-        raise ValueError("a device KV budget (layer offload) works on full-precision layers: use "
-                         "resident_codec='raw' with it, or a quantized resident format without it")
     from kvtier.levers.quantized_cache import QuantizedKVLayer, codec_quantizer
 
     quantizer = codec_quantizer(resident_codec)
