@@ -76,3 +76,15 @@ def test_the_breakdown_is_per_request_means_and_run_totals():
     row = {"system": "x", "breakdown": b | {"load_avg": 3.0}}
     expected = "| x | 2.00 s | 0.50 s | 2.00 s | 640 | 1 | 1.50 s | 0.00 s | 0.00 s | 3.0 |"
     assert render_breakdown([row]).endswith(expected)
+
+
+def test_a_disaggregated_pair_has_a_breakdown_row_for_each_engine():
+    def breakdown(computed: float) -> dict[str, float]:
+        return {"queue_s_mean": 0.0, "prefill_s_mean": 0.5, "decode_s_mean": 2.0, "computed_prompt_tokens": computed,
+                "preemptions": 0, "kvtier_load_seconds": 0.25, "kvtier_save_copy_seconds": 0.0,
+                "kvtier_save_write_seconds": 0.0, "load_avg": 3.0}
+
+    row = {"system": "vllm-kvtier-disagg", "breakdown": breakdown(96) | {"producer": breakdown(1800)}}
+    assert render_breakdown([row]).splitlines()[2:] == [
+        "| vllm-kvtier-disagg (consumer) | 0.00 s | 0.50 s | 2.00 s | 96 | 0 | 0.25 s | 0.00 s | 0.00 s | 3.0 |",
+        "| vllm-kvtier-disagg (producer) | 0.00 s | 0.50 s | 2.00 s | 1,800 | 0 | 0.25 s | 0.00 s | 0.00 s | 3.0 |"]

@@ -20,6 +20,8 @@ each vLLM system's time went (`breakdown`, from /metrics): per request, the mean
 device blocks, and for an asynchronous kvtier load), in prefill and in decode; the prompt tokens vLLM
 really computed; preemptions; kvtier's worker time in loads and in copying saves out; the machine's
 1-minute load average (the larger of the system's start and end: other work on the cores shows there).
+A disaggregated pair's replies come from its consumer (TTFT through the proxy includes the producer's
+prefill); its breakdown has a row for each engine, so the prompts the producer computed show too.
 """
 
 from __future__ import annotations
@@ -225,12 +227,17 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                                  else serve.run_engine(loaded, convs, w, **args))
                 continue
             server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load)
+            producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
+            producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
             results[name] = (_run_trace(server.url, reqs, name) if trace
                              else _run_chat(server.url, loaded.tokenizer, convs, w, name))
             after = server.metrics()
             results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
             breakdowns[name] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0])}
+            if producer:
+                breakdowns[name]["producer"] = (_breakdown(producer_before, producer.metrics())
+                                                | {"load_avg": breakdowns[name]["load_avg"]})
     reference = results.get("vllm")
     rows = []
     for name, result in results.items():
@@ -264,11 +271,19 @@ def render_breakdown(rows: list[dict]) -> str:
         b = r.get("breakdown")
         if not b:
             continue
-        lines.append(f"| {r['system']} | {b['queue_s_mean']:.2f} s | {b['prefill_s_mean']:.2f} s | "
-                     f"{b['decode_s_mean']:.2f} s | {b['computed_prompt_tokens']:,.0f} | {b['preemptions']:.0f} | "
-                     f"{b['kvtier_load_seconds']:.2f} s | {b['kvtier_save_copy_seconds']:.2f} s | "
-                     f"{b['kvtier_save_write_seconds']:.2f} s | {b['load_avg']:.1f} |")
+        if "producer" in b:  # a disaggregated pair: one row per engine
+            lines += [_breakdown_line(f"{r['system']} (consumer)", b),
+                      _breakdown_line(f"{r['system']} (producer)", b["producer"])]
+        else:
+            lines.append(_breakdown_line(r["system"], b))
     return "\n".join(lines)
+
+
+def _breakdown_line(label: str, b: dict[str, float]) -> str:
+    return (f"| {label} | {b['queue_s_mean']:.2f} s | {b['prefill_s_mean']:.2f} s | "
+            f"{b['decode_s_mean']:.2f} s | {b['computed_prompt_tokens']:,.0f} | {b['preemptions']:.0f} | "
+            f"{b['kvtier_load_seconds']:.2f} s | {b['kvtier_save_copy_seconds']:.2f} s | "
+            f"{b['kvtier_save_write_seconds']:.2f} s | {b['load_avg']:.1f} |")
 
 
 def add_command(bench) -> None:

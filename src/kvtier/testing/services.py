@@ -94,6 +94,12 @@ class MooncakePool(Service):
     def spec(self) -> str:
         return f"mooncake://{self.master_addr}?metadata={self.metadata_url}&buffer={self.buffer}"
 
+    def kill_master(self) -> None:
+        """Kill the master alone (the memory server lives on, unreachable): the pool is dead to its clients."""
+        master = self.procs[0]
+        master.kill()
+        master.wait(timeout=10)
+
 
 class RedisServer(Service):
     def __init__(self, log_dir: Path, maxmemory: str = "256mb") -> None:
