@@ -178,6 +178,24 @@ def test_bench_long_tiny_end_to_end(capsys, tmp_path):
     assert sparse.fetched_bytes_per_token < exact.fetched_bytes_per_token
 
 
+def test_bench_long_repeat_reuses_the_offloaded_prefix(capsys):
+    """`--scenarios repeat`: the 400-token request again on the same engine; exact's second request finds
+    every full block before its last token cached (sink loaded, the middle pinned in DRAM) and still
+    equals the reference's tokens."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "long", "--model", "tiny", "--long-tokens", "400", "--max-tokens", "4", "--device-tokens",
+              "192", "--block-tokens", "16", "--fetch-blocks", "2", "--systems", "reference,exact",
+              "--scenarios", "repeat", "--json"])
+    assert exc.value.code in (0, None)
+    rows = [LongRow.from_dict(d) for d in json.loads(capsys.readouterr().out)]
+    assert [(r.system, r.scenario) for r in rows] == [("reference", "repeat"), ("exact", "repeat")]
+    exact = rows[1]
+    assert exact.requests[0].cached_tokens == 399 // 16 * 16 and exact.first_ttft_s > 0
+    assert exact.identical and exact.within_budget
+    target = by_name(rows)["exact repeat: the second request reuses the offloaded prefix, same tokens"]
+    assert target.met is True and "384 of 400 prompt tokens cached" in target.value
+
+
 def test_merge_rows_later_run_replaces_same_system_and_scenario():
     first = fake_rows()
     vllm_old, vllm_new = LongRow("vllm", "long", message="started"), LongRow("vllm", "long", message="ValueError: ...")

@@ -138,6 +138,53 @@ def test_sparse_budget_fetches_its_fraction(loaded, long_prompts):
     assert 0 < per_token["sparse:1/4"] <= per_token["exact"] / 4
 
 
+@pytest.mark.parametrize("mode", ["exact", "sparse:1000"])
+def test_offloaded_prefix_is_reused_in_place(tiny_model, long_prompts, refs, mode):
+    """A second long request with the same prompt, on a fresh device (a second engine on the same tiers):
+    its sink block is loaded from DRAM, its middle blocks are pinned where DRAM holds them (no copy),
+    only the prompt's last block is computed, and its tokens equal everything on the device."""
+    engine, manager = make(tiny_model, mode, synchronous_transfers=True)
+    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
+    engine.close()
+    second = LLMEngine(tiny_model, engine.config, manager)
+    leased = []
+    pin = manager.pin_host
+    manager.pin_host = lambda key, data: leased.append(data) or pin(key, data)  # data None: pinned in place
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(second)["b"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK  # every full block before the last token
+    assert outputs[-1].num_cached_tokens == cached
+    assert outputs[-1].cached_tokens_by_tier == {"dram": cached}
+    assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
+    num_middle = cached // BLOCK - 1  # after the sink block
+    assert leased[:num_middle] == [None] * num_middle  # the reused blocks: pinned where they are
+    assert manager.host_tier().num_leased() == 0 and second.host_blocks_reserved == 0
+    second.close()
+    manager.close()
+
+
+def test_offloaded_prefix_with_a_bad_sink_block_is_computed(tiny_model, long_prompts, refs):
+    """The sink block comes back bad: the host blocks after it are not used (released), the prompt is
+    computed, the tokens are still exact."""
+    engine, manager = make(tiny_model, synchronous_transfers=True)
+    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
+    engine.close()
+    host = manager.host_tier()
+    from kvtier.blocks import block_keys
+    sink_key = block_keys(engine.scheduler.space, long_prompts[2][:BLOCK])[0]
+    host._arena_np[host._key_to_slot[sink_key] * host.slot_bytes + 20] ^= 0xFF  # its header
+    second = LLMEngine(tiny_model, engine.config, manager)
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(second)["b"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    assert outputs[-1].num_cached_tokens == 0
+    assert second.num_tokens_computed == len(long_prompts[2]) + NEW - 1
+    assert host.stats.corrupt > 0 and host.num_leased() == 0 and second.host_blocks_reserved == 0
+    second.close()
+    manager.close()
+
+
 def test_abort_frees_host_blocks(tiny_model, long_prompts):
     engine, manager = make(tiny_model)
     engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))

@@ -1,7 +1,10 @@
 """`kvtier bench long`: contexts larger than the device (issue 18), on one small device KV budget.
 
 Workload (SmolLM2, fp32 KV; real text): scenario `long` is one request of `long_tokens` prompt tokens,
-scenario `concurrent` is `concurrent` requests of `concurrent_tokens` each, submitted together. Every
+scenario `concurrent` is `concurrent` requests of `concurrent_tokens` each, submitted together; scenario
+`repeat` (not run by default) is the `long` request sent again after it finished, to the same engine (a
+chat's next turn over the same document): its row is the second request's, which reuses the first's
+prefix (an offloaded request's middle blocks pinned where the DRAM tier holds them). Every
 prompt is a passkey prompt (`kvtier.evals.passkey`'s intro, needle, question and cue) whose filler is
 tinyshakespeare (each request its own passage, the needle at its own depth, in the middle blocks that
 offload sends to host memory); every request greedy-decodes `max_tokens` tokens, EOS ignored.
@@ -48,6 +51,7 @@ import numpy as np
 
 SYSTEMS = ("vllm", "reference", "exact", "sparse")
 SCENARIOS = ("long", "concurrent")
+ALL_SCENARIOS = (*SCENARIOS, "repeat")
 DEFAULT_BUDGETS = ("1/32", "1/16", "1/8", "1/4")
 
 
@@ -78,7 +82,7 @@ class LongSetup:
         return names
 
     def prompt_lengths(self, scenario: str) -> list[int]:
-        return [self.long_tokens] if scenario == "long" else [self.concurrent_tokens] * self.concurrent
+        return [self.long_tokens] if scenario in ("long", "repeat") else [self.concurrent_tokens] * self.concurrent
 
 
 @dataclass(slots=True)
@@ -95,6 +99,7 @@ class RequestResult:
     host_kv_bytes: int = 0
     fetched_bytes_per_token: float = 0.0
     fetch_wait_s: float = 0.0        # the step thread waiting for fetches (not hidden by compute)
+    cached_tokens: int = 0           # prompt tokens found cached at admission (device, or the tiers)
 
 
 @dataclass(slots=True)
@@ -115,6 +120,8 @@ class LongRow:
     memcpy_gb_s: float = 0.0          # ... and by a contiguous memcpy
     wall_s: float = 0.0
     message: str = ""                 # vllm: its refusal, verbatim; else notes
+    first_ttft_s: float = 0.0         # repeat: the first request's TTFT (it computed the prompt)
+    block_tokens: int = 0
     agreement: list[float] = field(default_factory=list)  # per request, vs reference: leading tokens equal
 
     # -- derived -------------------------------------------------------------------------------
@@ -345,8 +352,12 @@ def run_engine(loaded, setup: LongSetup, system: str, scenario: str, prompts: li
     engine = LLMEngine(loaded, config, manager)
     clock = CopyClock(engine.fetch) if engine.fetch is not None else None
     row = LongRow(system, scenario, budget_bytes=config.device_kv_budget_bytes, device_kv_bytes=engine.device_kv_bytes,
-                  fetch_area_bytes=engine.fetch.nbytes if engine.fetch is not None else 0)
+                  block_tokens=setup.block_tokens, fetch_area_bytes=engine.fetch.nbytes if engine.fetch is not None else 0)
     try:
+        if scenario == "repeat":  # the first request computes the prompt; the row is the second's
+            first = LongRow(system, "repeat-first")
+            _drive(engine, first, prompts, setup, clock, SamplingParams, progress)
+            row.first_ttft_s = first.ttft_s
         _drive(engine, row, prompts, setup, clock, SamplingParams, progress)
         if clock is not None and row.copy_bytes:  # the physical limits, on the same host memory, right after
             _copy_limits(engine, row, setup)
@@ -406,7 +417,8 @@ def _drive(engine, row: LongRow, prompts: list[LongPrompt], setup: LongSetup, cl
             len(prompt.token_ids), generated[request_id], prompt.passkey, "", False,
             first.get(request_id, math.nan) - start, out.finish_reason, out.error,
             stats.peak_device_kv_bytes if stats else 0, stats.host_kv_bytes if stats else 0,
-            stats.fetched_bytes_per_token if stats else 0.0, stats.fetch_seconds if stats else 0.0))
+            stats.fetched_bytes_per_token if stats else 0.0, stats.fetch_seconds if stats else 0.0,
+            out.num_cached_tokens))
 
 
 def _copy_limits(engine, row: LongRow, setup: LongSetup) -> None:
@@ -581,6 +593,16 @@ def targets(rows: list[LongRow]) -> list[Target]:
         out.append(Target(f"sparse 1/8 bytes per decode token vs exact ({scenario})",
                           "-" if math.isnan(share) else f"{share:.2%}", "<= 12.5%",
                           share <= 0.125 + 1e-9 if not math.isnan(share) else None))
+    repeat = _find(rows, "exact", "repeat")
+    if repeat is not None:
+        q = repeat.requests[0]
+        full = (q.prompt_tokens - 1) // repeat.block_tokens * repeat.block_tokens if repeat.block_tokens else -1
+        out.append(Target("exact repeat: the second request reuses the offloaded prefix, same tokens",
+                          f"{q.cached_tokens:,} of {q.prompt_tokens:,} prompt tokens cached, TTFT {repeat.first_ttft_s:.1f} s "
+                          f"-> {repeat.ttft_s:.2f} s ({repeat.first_ttft_s / repeat.ttft_s:.0f}x); identical: "
+                          f"{'yes' if repeat.identical else 'NO' if repeat.identical is not None else '-'}",
+                          "every full block before the last token; identical",
+                          bool(q.cached_tokens) and q.cached_tokens == full and repeat.identical is not False))
     concurrent = [r for r in rows if r.scenario == "concurrent" and r.system.startswith(("exact", "sparse"))
                   and r.requests]
     out.append(Target("every concurrent request completes on the budget",
@@ -640,7 +662,7 @@ def plot(rows: list[LongRow], path: str | Path, title: str) -> None:
               ("TTFT (s)", lambda r: r.ttft_s, False),
               ("host→device MB per decode token", lambda r: r.fetched_bytes_per_token / 1e6, True),
               ("passkey accuracy / agreement", None, False)]
-    scenarios = [s for s in SCENARIOS if any(r.scenario == s and r.requests for r in rows)]
+    scenarios = [s for s in ALL_SCENARIOS if any(r.scenario == s and r.requests for r in rows)]
     systems = list(dict.fromkeys(r.system for r in rows if r.requests))
     x = np.arange(len(systems))
     width = 0.8 / max(len(scenarios), 1)
@@ -679,7 +701,8 @@ def add_command(bench) -> None:
              concurrent_tokens: int = typer.Option(6144, min=16), max_tokens: int = typer.Option(32, min=2),
              budgets: str = typer.Option(",".join(DEFAULT_BUDGETS), help="sparse budgets: fractions or blocks"),
              systems: str = typer.Option(",".join(SYSTEMS), help=", ".join(SYSTEMS)),
-             scenarios: str = typer.Option(",".join(SCENARIOS), help="long (one request), concurrent"),
+             scenarios: str = typer.Option(",".join(SCENARIOS), help="long (one request), concurrent, repeat (the "
+                                           "long request again after it: its prefix reused)"),
              device_tokens: int = typer.Option(1024, min=1, help="the device KV budget in tokens (fetch area in it)"),
              block_tokens: int = typer.Option(64, min=1),
              fetch_blocks: int = typer.Option(15, min=1, help="layer-blocks per half of the fetch area"),
@@ -704,8 +727,8 @@ def add_command(bench) -> None:
         names = tuple(s.strip() for s in systems.split(",") if s.strip())
         chosen = tuple(s.strip() for s in scenarios.split(",") if s.strip())
         budget_list = tuple(b.strip() for b in budgets.split(",") if b.strip())
-        if set(names) - set(SYSTEMS) or set(chosen) - set(SCENARIOS) or not names or not chosen:
-            raise UserError(f"systems are {', '.join(SYSTEMS)}; scenarios {', '.join(SCENARIOS)}")
+        if set(names) - set(SYSTEMS) or set(chosen) - set(ALL_SCENARIOS) or not names or not chosen:
+            raise UserError(f"systems are {', '.join(SYSTEMS)}; scenarios {', '.join(ALL_SCENARIOS)}")
         for b in budget_list:
             try:
                 parse_offload(f"sparse:{b}")

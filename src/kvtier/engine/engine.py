@@ -135,7 +135,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_tokens=self.max_model_tokens, eos_token_ids=eos_token_ids,
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
-            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks))
+            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks),
+            pin_host_prefix=self._pin_host_prefix if self.fetch is not None else None)
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
         self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
                                     synchronous=config.synchronous_transfers) if manager is not None else None)
@@ -362,6 +363,22 @@ class LLMEngine:
         host.slots.append(slot)
         host.keys.append(offload.key)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
+
+    def _pin_host_prefix(self, seq: Sequence, keys: list[bytes]) -> tuple[int, str]:
+        """An offloaded sequence's cached middle blocks: pin, in order, those the DRAM tier holds (written
+        through when an earlier request computed them; checked by their key-bound header) as its host
+        blocks, up to the first it lacks — no copy. Returns (how many, the DRAM tier's name)."""
+        host = seq.host
+        for key in keys[:host.reserved_blocks]:
+            slot = self.manager.pin_host(key, None)
+            if slot is None:
+                break
+            if host.summaries is not None:
+                host.summaries[len(host.slots)] = block_summary(self.fetch.host[slot][:, 0].to(self.arena.device))
+            host.slots.append(slot)
+            host.keys.append(key)
+        host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
+        return len(host.slots), self.manager.host_tier().name
 
     def _unpin(self) -> None:
         keys = self.scheduler.take_unpinned()

@@ -20,6 +20,11 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
   pick is made on the device and the copies are issued by the host, so on CUDA a sparse layer reads its
   selection back (one sync per layer and sequence) and copies on the compute stream: not overlapped.
 
+A request whose prompt is cached starts where that computation would have left it: its sink blocks on
+the device, its middle blocks pinned where the DRAM tier holds them (no copy: the blocks an earlier
+request wrote through; `Scheduler._reuse_offloaded_prefix`). Middle blocks only on a lower tier (SSD, a
+pool) end the reused prefix there: the rest is computed.
+
 Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
 Summaries (2 x head_dim values per layer, KV head and block) are device memory too, reported
 apart from the KV (`OffloadStats.summary_bytes`). On the CPU the fetch thread copies with numpy

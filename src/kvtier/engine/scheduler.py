@@ -28,6 +28,9 @@ from kvtier.tiers.manager import PrefixMatch
 
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
+# an offloaded sequence's cached middle blocks: pin the longest run of these keys that host memory holds
+# in `seq.host` (the engine's `_pin_host_prefix`); -> (how many, the tier they are in)
+PinHostPrefix = Callable[[Sequence, list[bytes]], tuple[int, str]]
 
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
@@ -66,7 +69,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
                  max_prefill_tokens: int = 512, max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None,
-                 offload_window: tuple[int, int] = (1, 2)) -> None:
+                 offload_window: tuple[int, int] = (1, 2), pin_host_prefix: PinHostPrefix | None = None) -> None:
         self.block_manager = block_manager
         self.space = space
         self.block_tokens = space.layout.block_tokens
@@ -76,6 +79,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.prefix_caching = prefix_caching
         self.match_tiers = match_tiers if prefix_caching else None
+        self.pin_host_prefix = pin_host_prefix if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV: blocks allocated, a load in flight
         # blocks of loads whose request ended meanwhile: the transfer worker may still be writing
@@ -89,6 +93,7 @@ class Scheduler:
         # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (engine/offload.py)
         self.sink_blocks, self.recent_blocks = offload_window
         self._unpinned: list[bytes] = []  # host blocks of offloaded sequences that ended or were preempted
+        self._host_prefix_tier: dict[str, str] = {}  # loading offloaded sequences with pinned host blocks
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -107,6 +112,7 @@ class Scheduler:
     def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
+            self._host_prefix_tier.pop(request_id, None)
             first = len(seq.block_keys)  # the load blocks follow the device-cached ones
             self._orphaned_loads[request_id] = seq.block_ids[first:first + seq.num_loading_blocks]
             del seq.block_ids[first:first + seq.num_loading_blocks]
@@ -286,14 +292,59 @@ class Scheduler:
 
     def _admit_offloaded(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A sequence longer than the device: admitted once its whole window fits beside the other
-        active sequences' reserve; its prompt is computed from the start (no prefix reuse yet), chunk
-        by chunk, its blocks allocated per chunk (`_window_chunk`)."""
+        active sequences' reserve. Its cached prefix is reused (`_reuse_offloaded_prefix`); the rest of
+        its prompt is computed chunk by chunk, its blocks allocated per chunk (`_window_chunk`)."""
         window = self.sink_blocks + self.recent_blocks
         if self.block_manager.num_free_blocks < window + self._num_reserved_blocks():
             return False
         seq.block_ids, seq.block_keys, seq.num_computed_tokens = [], [], 0
+        usable = 0 if seq.needs_prompt_logits else (seq.num_tokens - 1) // self.block_tokens
+        if self.prefix_caching and usable > self.sink_blocks:
+            return self._reuse_offloaded_prefix(seq, self._keys(seq, usable), out)
         self._start_running(seq)
         return True
+
+    def _reuse_offloaded_prefix(self, seq: Sequence, keys: list[bytes], out: SchedulerOutput) -> bool:
+        """An offloaded sequence's cached prefix, laid out as its own computation would have left it:
+        the sink blocks on the device (cached there, or loaded from the tiers: WAITING_FOR_KV), and the
+        blocks after them, up to the first one host memory lacks, pinned where the DRAM tier holds them
+        (no copy: a host block of an offloaded sequence is a DRAM slot). Its recent window starts empty at
+        the first block to compute. The host blocks are used only when every sink block is there."""
+        bm, sink = self.block_manager, self.sink_blocks
+        device_ids = bm.match_prefix(keys[:sink])
+        match = None
+        if self.match_tiers is not None and len(device_ids) < sink:
+            match = self.match_tiers(keys[len(device_ids):sink]) or None
+        num_sink = len(device_ids) + (len(match) if match is not None else 0)
+        num_host, host_tier = 0, ""
+        if num_sink == sink and self.pin_host_prefix is not None:
+            num_host, host_tier = self.pin_host_prefix(seq, keys[sink:])
+        for block_id in device_ids:
+            bm.acquire(block_id)
+        new_ids = [self._allocate(out) for _ in range(num_sink - len(device_ids))]
+        seq.block_ids = device_ids + new_ids + [-1] * num_host
+        seq.block_keys = keys[:len(device_ids)]
+        seq.num_computed_tokens = len(device_ids) * self.block_tokens
+        self._count_hits(seq, [DEVICE] * len(device_ids))
+        if match is not None:
+            seq.num_loading_blocks = len(new_ids)
+            out.loads.append(LoadJob(seq.request_id, match, new_ids))
+            seq.status = SeqStatus.WAITING_FOR_KV
+            self.loading[seq.request_id] = seq
+            if num_host:
+                self._host_prefix_tier[seq.request_id] = host_tier
+            return True
+        self._host_prefix_ready(seq, host_tier)
+        self._start_running(seq)
+        return True
+
+    def _host_prefix_ready(self, seq: Sequence, tier: str) -> None:
+        """Its sink blocks are on the device: the pinned host blocks after them count as computed."""
+        num_host = len(seq.host.keys)
+        if num_host:
+            seq.block_keys = self._keys(seq, len(seq.block_keys) + num_host)
+            seq.num_computed_tokens = len(seq.block_keys) * self.block_tokens
+            self._count_hits(seq, [tier] * num_host)
 
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
         """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
@@ -312,6 +363,14 @@ class Scheduler:
         seq.block_keys = keys
         seq.num_computed_tokens = len(keys) * self.block_tokens
         self._count_hits(seq, tiers[:num_loaded])
+        if seq.host is not None and seq.host.keys:  # an offloaded prefix: its host blocks follow the sinks
+            if len(keys) == self.sink_blocks:
+                self._host_prefix_ready(seq, self._host_prefix_tier.pop(seq.request_id, ""))
+            else:  # a sink block came back bad: the prefix ends there, the host blocks are not used
+                self._host_prefix_tier.pop(seq.request_id, None)
+                self._unpinned += seq.host.keys
+                seq.host.slots, seq.host.keys = [], []
+                seq.block_ids = [b for b in seq.block_ids if b >= 0]
         self._start_running(seq)
         return seq
 
