@@ -364,21 +364,34 @@ class LLMEngine:
         host.keys.append(offload.key)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
 
-    def _pin_host_prefix(self, seq: Sequence, keys: list[bytes]) -> tuple[int, str]:
-        """An offloaded sequence's cached middle blocks: pin, in order, those the DRAM tier holds (written
-        through when an earlier request computed them; checked by their key-bound header) as its host
-        blocks, up to the first it lacks — no copy. Returns (how many, the DRAM tier's name)."""
-        host = seq.host
-        for key in keys[:host.reserved_blocks]:
-            slot = self.manager.pin_host(key, None)
+    def _pin_host_prefix(self, seq: Sequence, keys: list[bytes]) -> list[str]:
+        """An offloaded sequence's cached middle blocks, in order, as its host blocks: pinned where the DRAM
+        tier holds them (written through when an earlier request computed them; checked by their key-bound
+        header; no copy); from the first it lacks, the run a lower tier holds (SSD, a pool: read once,
+        verified by their payload checksum, stored into DRAM slots and pinned). Stops at the first block
+        neither has. Returns the tier each pinned block came from."""
+        host, tiers, dram = seq.host, [], self.manager.host_tier().name
+        keys = keys[:host.reserved_blocks]
+        below: list[tuple[bytes, str]] | None = None  # the run read from the lower tiers, once
+        for i, key in enumerate(keys):
+            slot, tier = (self.manager.pin_host(key, None), dram) if below is None else (None, "")
             if slot is None:
-                break
+                if below is None:  # (the read promotes them into DRAM: pinned there below)
+                    prefix = self.manager.read(self.manager.match(keys[i:]))
+                    below = list(zip(prefix.payloads, prefix.tiers))
+                if not below:
+                    break
+                data, tier = below.pop(0)
+                slot = self.manager.pin_host(key, data)
+                if slot is None:
+                    break
             if host.summaries is not None:
                 host.summaries[len(host.slots)] = block_summary(self.fetch.host[slot][:, 0].to(self.arena.device))
             host.slots.append(slot)
             host.keys.append(key)
+            tiers.append(tier)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
-        return len(host.slots), self.manager.host_tier().name
+        return tiers
 
     def _unpin(self) -> None:
         keys = self.scheduler.take_unpinned()

@@ -22,8 +22,10 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
 
 A request whose prompt is cached starts where that computation would have left it: its sink blocks on
 the device, its middle blocks pinned where the DRAM tier holds them (no copy: the blocks an earlier
-request wrote through; `Scheduler._reuse_offloaded_prefix`). Middle blocks only on a lower tier (SSD, a
-pool) end the reused prefix there: the rest is computed.
+request wrote through; `Scheduler._reuse_offloaded_prefix`); from the first one DRAM lacks, the run a
+lower tier (SSD, a pool) holds is read once, verified by its payload checksums, stored into DRAM slots
+and pinned there (`LLMEngine._pin_host_prefix`: a synchronous read in the step that admits it — a
+fraction of a second for an 8k prompt from the SSD, against a minute of prefill on this CPU).
 
 Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
 Summaries (2 x head_dim values per layer, KV head and block) are device memory too, reported

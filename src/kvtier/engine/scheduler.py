@@ -28,9 +28,9 @@ from kvtier.tiers.manager import PrefixMatch
 
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
-# an offloaded sequence's cached middle blocks: pin the longest run of these keys that host memory holds
-# in `seq.host` (the engine's `_pin_host_prefix`); -> (how many, the tier they are in)
-PinHostPrefix = Callable[[Sequence, list[bytes]], tuple[int, str]]
+# an offloaded sequence's cached middle blocks: pin the longest run of these keys the tiers hold as host
+# blocks in `seq.host` (the engine's `_pin_host_prefix`); -> the tier each came from
+PinHostPrefix = Callable[[Sequence, list[bytes]], list[str]]
 
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
@@ -93,7 +93,7 @@ class Scheduler:
         # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (engine/offload.py)
         self.sink_blocks, self.recent_blocks = offload_window
         self._unpinned: list[bytes] = []  # host blocks of offloaded sequences that ended or were preempted
-        self._host_prefix_tier: dict[str, str] = {}  # loading offloaded sequences with pinned host blocks
+        self._host_prefix_tiers: dict[str, list[str]] = {}  # loading offloaded sequences' pinned host blocks
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,7 +112,7 @@ class Scheduler:
     def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
-            self._host_prefix_tier.pop(request_id, None)
+            self._host_prefix_tiers.pop(request_id, None)
             first = len(seq.block_keys)  # the load blocks follow the device-cached ones
             self._orphaned_loads[request_id] = seq.block_ids[first:first + seq.num_loading_blocks]
             del seq.block_ids[first:first + seq.num_loading_blocks]
@@ -316,9 +316,8 @@ class Scheduler:
         if self.match_tiers is not None and len(device_ids) < sink:
             match = self.match_tiers(keys[len(device_ids):sink]) or None
         num_sink = len(device_ids) + (len(match) if match is not None else 0)
-        num_host, host_tier = 0, ""
-        if num_sink == sink and self.pin_host_prefix is not None:
-            num_host, host_tier = self.pin_host_prefix(seq, keys[sink:])
+        host_tiers = self.pin_host_prefix(seq, keys[sink:]) if num_sink == sink and self.pin_host_prefix else []
+        num_host = len(host_tiers)
         for block_id in device_ids:
             bm.acquire(block_id)
         new_ids = [self._allocate(out) for _ in range(num_sink - len(device_ids))]
@@ -332,19 +331,18 @@ class Scheduler:
             seq.status = SeqStatus.WAITING_FOR_KV
             self.loading[seq.request_id] = seq
             if num_host:
-                self._host_prefix_tier[seq.request_id] = host_tier
+                self._host_prefix_tiers[seq.request_id] = host_tiers
             return True
-        self._host_prefix_ready(seq, host_tier)
+        self._host_prefix_ready(seq, host_tiers)
         self._start_running(seq)
         return True
 
-    def _host_prefix_ready(self, seq: Sequence, tier: str) -> None:
+    def _host_prefix_ready(self, seq: Sequence, tiers: list[str]) -> None:
         """Its sink blocks are on the device: the pinned host blocks after them count as computed."""
-        num_host = len(seq.host.keys)
-        if num_host:
-            seq.block_keys = self._keys(seq, len(seq.block_keys) + num_host)
+        if tiers:
+            seq.block_keys = self._keys(seq, len(seq.block_keys) + len(tiers))
             seq.num_computed_tokens = len(seq.block_keys) * self.block_tokens
-            self._count_hits(seq, [tier] * num_host)
+            self._count_hits(seq, tiers)
 
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
         """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
@@ -365,9 +363,9 @@ class Scheduler:
         self._count_hits(seq, tiers[:num_loaded])
         if seq.host is not None and seq.host.keys:  # an offloaded prefix: its host blocks follow the sinks
             if len(keys) == self.sink_blocks:
-                self._host_prefix_ready(seq, self._host_prefix_tier.pop(seq.request_id, ""))
+                self._host_prefix_ready(seq, self._host_prefix_tiers.pop(seq.request_id, []))
             else:  # a sink block came back bad: the prefix ends there, the host blocks are not used
-                self._host_prefix_tier.pop(seq.request_id, None)
+                self._host_prefix_tiers.pop(seq.request_id, None)
                 self._unpinned += seq.host.keys
                 seq.host.slots, seq.host.keys = [], []
                 seq.block_ids = [b for b in seq.block_ids if b >= 0]
