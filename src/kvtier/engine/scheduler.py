@@ -307,9 +307,10 @@ class Scheduler:
     def _reuse_offloaded_prefix(self, seq: Sequence, keys: list[bytes], out: SchedulerOutput) -> bool:
         """An offloaded sequence's cached prefix, laid out as its own computation would have left it:
         the sink blocks on the device (cached there, or loaded from the tiers: WAITING_FOR_KV), and the
-        blocks after them, up to the first one host memory lacks, pinned where the DRAM tier holds them
-        (no copy: a host block of an offloaded sequence is a DRAM slot). Its recent window starts empty at
-        the first block to compute. The host blocks are used only when every sink block is there."""
+        blocks after them as its host blocks, up to the first no tier holds (`pin_host_prefix`: pinned
+        where the DRAM tier holds them, no copy; read from below into DRAM slots otherwise). Its recent
+        window starts empty at the first block to compute. The host blocks are used only when every sink
+        block is there."""
         bm, sink = self.block_manager, self.sink_blocks
         device_ids = bm.match_prefix(keys[:sink])
         match = None
