@@ -41,6 +41,20 @@ def test_a_request_longer_than_the_device_is_served_exactly(servers):
     assert "kvtier_offload" not in short["choices"][0]  # fits the device: not offloaded
 
 
+def test_the_next_turn_over_a_long_prompt_reuses_it(servers):
+    """A long prompt sent before, then extended (a chat's next turn): the second request finds the first's
+    full blocks cached (sink from the device or DRAM, the middle pinned in DRAM) and computes only its
+    new tail; the text equals the reference server's."""
+    url, ref_url = servers
+    post(url, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    body = {"model": "tiny", "prompt": PROMPT + "Grim-visaged war hath smooth'd his wrinkled front.", "max_tokens": 16,
+            "temperature": 0}
+    got, ref = post(url, body).json(), post(ref_url, body).json()
+    assert got["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(PROMPT) // 8 * 8  # its full blocks
+    assert got["choices"][0]["kvtier_offload"]["host_kv_bytes"] > 0
+
+
 def test_streaming_chat_long_request_matches(servers):
     url, ref_url = servers
     body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0,
