@@ -95,6 +95,19 @@ def test_parse_methods_expands_sparse_to_the_offload_budgets():
         parse_methods("sparse:2.5", "0.5")
     [_, wide] = parse_methods("sparse:1/8", "0.5", block_tokens=16, recent_blocks=8)
     assert wide.label == "sparse-1/8-b16-r8" and wide.sparse_window.recent_blocks == 8
+    [_, sinkless] = parse_methods("sparse:1/8", "0.5", sink_blocks=0)
+    assert sinkless.label == "sparse-1/8-s0" and sinkless.sparse_window.host_blocks(1024) == (0, 2)
+
+
+def test_the_default_layout_is_the_engines():
+    from kvtier.engine import EngineConfig
+    from kvtier.evals.runner import parse_methods
+
+    engine = EngineConfig()
+    [_, default] = parse_methods("sparse:1/8", "0.5")
+    assert default.label == "sparse-1/8"  # no layout suffix at the engine's defaults
+    assert default.sparse_window == SparseWindow(parse_offload("sparse:1/8"), engine.block_tokens,
+                                                 engine.offload_sink_blocks, engine.offload_recent_blocks)
 
 
 def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):
@@ -120,6 +133,30 @@ def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):
     assert quarter["attended_fraction"] < 0.5 and whole["attended_fraction"] == 1.0
     assert quarter["device_kv_bytes"] < 0.3 * raw["device_kv_bytes"]
     assert quarter["compression"] == 1.0  # offload keeps every token (in host memory)
+
+
+@pytest.mark.parametrize(("options", "label"), [([], "sparse-1/8"), (["--offload-sink-blocks", "0"], "sparse-1/8-s0"),
+                                               (["--offload-block-tokens", "256", "--offload-recent-blocks", "3"],
+                                                "sparse-1/8-r3")])
+def test_kvtier_eval_sparse_layout_options_default_to_the_engines(capsys, options, label):
+    import json
+
+    from kvtier import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--model", "tiny", "--methods", "sparse:1/8", *options, "--context", "",
+                  "--passkey-lengths", "", "--json"])
+    assert exc.value.code == 0
+    assert [r["label"] for r in json.loads(capsys.readouterr().out)] == ["raw", label]
+
+
+def test_kvtier_eval_negative_sink_blocks_exits_2(capsys):
+    from kvtier import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--model", "tiny", "--methods", "sparse", "--offload-sink-blocks", "-1"])
+    assert exc.value.code == 2
+    assert "--offload-sink-blocks" in capsys.readouterr().err
 
 
 def test_a_multi_token_pass_over_a_filled_cache_is_exact(tiny_model, long_prompt):

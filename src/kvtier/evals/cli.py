@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
+from kvtier.config import EngineConfig, Setting, command_settings, pick, settings_of
 from kvtier.errors import UserError
 
 
@@ -29,8 +31,18 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
 
 
+def _layout_settings() -> list[Setting]:
+    """The sparse offload layout's options: the engine's settings (`kvtier serve`'s defaults and help), the
+    block size as --offload-block-tokens."""
+    block, sink, recent = pick(settings_of(EngineConfig), "block_tokens", "offload_sink_blocks",
+                               "offload_recent_blocks")
+    return [replace(s, help=f"sparse offload: {s.help} (the engine's --{s.flag})", flag=flag)
+            for s, flag in ((block, "offload-block-tokens"), (sink, sink.flag), (recent, recent.flag))]
+
+
 def register(app: typer.Typer) -> None:
     @app.command("eval")
+    @command_settings(*_layout_settings(), layered=False)
     def eval_command(
         methods: str = typer.Option(None, help="comma-separated methods [every codec, eviction policy and "
                                                "transformers peer; raw is always the reference]; 'sparse' is "
@@ -39,10 +51,6 @@ def register(app: typer.Typer) -> None:
         keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept (0.125 or 1/8)"),
         offload_budgets: str = typer.Option("1/32,1/16,1/8,1/4", help="sparse offload fetch budgets: fractions of "
                                                                        "the host blocks, or numbers of blocks"),
-        offload_block_tokens: int = typer.Option(64, help="sparse offload: tokens per block (the engine's "
-                                                          "--block-tokens); 1 sink block stays on the device"),
-        offload_recent_blocks: int = typer.Option(2, help="sparse offload: recent blocks on the device (the open "
-                                                          "block and those before it; the engine's default 2)"),
         context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
                                                  "('' to skip perplexity)"),
         windows: int = typer.Option(2, help="perplexity windows per context length"),
@@ -59,6 +67,7 @@ def register(app: typer.Typer) -> None:
         text: Path = typer.Option(None, help="text for perplexity (default: the shared tinyshakespeare.txt)"),
         json_out: bool = typer.Option(False, "--json", help="print the rows as one JSON list"),
         plot_path: Path = typer.Option(None, "--plot", help="write quality vs compression to this PNG"),
+        *, settings: dict,
     ) -> None:
         """Perplexity and passkey retrieval of every KV codec and eviction policy vs the full cache."""
         from rich.console import Console
@@ -70,7 +79,8 @@ def register(app: typer.Typer) -> None:
         # the last 32 tokens (eviction.DEFAULT_SNAPKV_WINDOW_TOKENS) on plain text
         snapkv_window = snapkv_window if snapkv_window is not None else "question"
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
-                         snapkv_window, offload_budgets, offload_block_tokens, score_tokens, offload_recent_blocks)
+                         snapkv_window, offload_budgets, score_tokens, settings["block_tokens"],
+                         settings["offload_sink_blocks"], settings["offload_recent_blocks"])
         if text is None:
             from kvtier.data import SHAKESPEARE, shared_data_file
 
@@ -116,8 +126,7 @@ def _protocol(config) -> str:
 
 
 def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window,
-            offload_budgets="1/32,1/16,1/8,1/4", offload_block_tokens=64, score_tokens=None,
-            offload_recent_blocks=2):
+            offload_budgets, score_tokens, block_tokens, sink_blocks, recent_blocks):
     if str(snapkv_window) != "question":
         try:
             snapkv_window = int(snapkv_window)
@@ -125,8 +134,10 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
             raise UserError(f"--snapkv-window takes a token count or 'question', got {snapkv_window!r}") from None
         if snapkv_window < 1:
             raise UserError("--snapkv-window must be positive")
-    if windows < 1 or chunk < 1 or offload_block_tokens < 1 or offload_recent_blocks < 1:
+    if windows < 1 or chunk < 1 or block_tokens < 1 or recent_blocks < 1:
         raise UserError("--windows, --chunk, --offload-block-tokens and --offload-recent-blocks must be positive")
+    if sink_blocks < 0:
+        raise UserError("--offload-sink-blocks must be >= 0")
     contexts = runner.parse_ints(context, "--context")
     if score_tokens is not None and not all(0 < score_tokens < ctx for ctx in contexts):
         raise UserError("--score-tokens must be positive and shorter than every --context")
@@ -134,8 +145,8 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise UserError("--passkey-depths must be fractions in [0, 1]")
     return runner.EvalConfig(
-        methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, offload_block_tokens,
-                                     offload_recent_blocks),
+        methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, block_tokens, sink_blocks,
+                                     recent_blocks),
         context_tokens=contexts, num_windows=windows, chunk_tokens=chunk, score_tokens=score_tokens,
         passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
         passkey_depths=depths)

@@ -61,14 +61,18 @@ class Method:
     window_tokens: int = SNAPKV_WINDOW_TOKENS   # SnapKV's observation window
     question_window: bool = False  # SnapKV: the window is the prompt's question where there is one
     offload: OffloadMode | None = None  # sparse offload: the fetch budget
-    block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS  # sparse offload: the engine's block size
-    recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS  # sparse offload: the recent window on the device
+    # sparse offload: the engine's layout (its defaults: sparse.DEFAULT_*) — block size, sinks and recent
+    # window on the device
+    block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS
+    sink_blocks: int = sparse.DEFAULT_SINK_BLOCKS
+    recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS
 
     @property
     def label(self) -> str:
-        if self.offload is not None:  # sparse-1/8, or sparse-1/8-b16-r8 off the engine's default layout
+        if self.offload is not None:  # sparse-1/8, or sparse-1/8-b64-s0-r8 off the engine's default layout
             return (str(self.offload).replace(":", "-")
                     + (f"-b{self.block_tokens}" if self.block_tokens != sparse.DEFAULT_BLOCK_TOKENS else "")
+                    + (f"-s{self.sink_blocks}" if self.sink_blocks != sparse.DEFAULT_SINK_BLOCKS else "")
                     + (f"-r{self.recent_blocks}" if self.recent_blocks != sparse.DEFAULT_RECENT_BLOCKS else ""))
         name = self.name
         if name == "snapkv" and self.question_window:
@@ -81,7 +85,7 @@ class Method:
     def sparse_window(self) -> sparse.SparseWindow | None:
         if self.offload is None:
             return None
-        return sparse.SparseWindow(self.offload, self.block_tokens, recent_blocks=self.recent_blocks)
+        return sparse.SparseWindow(self.offload, self.block_tokens, self.sink_blocks, self.recent_blocks)
 
     def model_for(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model the continuation runs through: a sparse method's attends as the engine's sparse offload."""
@@ -111,11 +115,12 @@ class Method:
 
 def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SNAPKV_WINDOW_TOKENS,
                   offload_budgets: str = sparse.DEFAULT_BUDGETS,
-                  block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS,
+                  block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS, sink_blocks: int = sparse.DEFAULT_SINK_BLOCKS,
                   recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS) -> list[Method]:
     """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first).
     `snapkv_window_tokens`: a token count, or "question" (the passkey question; 32 where there is none).
-    `sparse` -> one sparse offload method per `offload_budgets`; `sparse:1/8` -> that budget only."""
+    `sparse` -> one sparse offload method per `offload_budgets`; `sparse:1/8` -> that budget only, each on
+    the layout `block_tokens` / `sink_blocks` / `recent_blocks` (the engine's defaults)."""
     question = snapkv_window_tokens == "question"
     window = SNAPKV_WINDOW_TOKENS if question else snapkv_window_tokens
     names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -132,8 +137,8 @@ def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SN
         elif name == "sparse" or name.startswith("sparse:"):
             budgets = [b.strip() for b in offload_budgets.split(",") if b.strip()] if name == "sparse" \
                 else [name.partition(":")[2]]
-            out += [Method("sparse", offload=_sparse_mode(b), block_tokens=block_tokens, recent_blocks=recent_blocks)
-                    for b in budgets]
+            out += [Method("sparse", offload=_sparse_mode(b), block_tokens=block_tokens, sink_blocks=sink_blocks,
+                           recent_blocks=recent_blocks) for b in budgets]
         elif name != "raw":
             out.append(Method(name))
     return out

@@ -14,7 +14,7 @@ up to float rounding (the engine merges its pieces by log-sum-exp). Passes of se
 the passkey cue) are exact, as in the engine. The functions are imported from the engine, not copied,
 so the quality measured here is the engine's.
 
-    window = SparseWindow(parse_offload("sparse:1/8"), block_tokens=64)
+    window = SparseWindow(parse_offload("sparse:1/8"))   # the engine's default layout
     model_s = sparse_model(model, window)            # shares the weights; stats in model_s.config
     model_s(ids, past_key_values=DynamicCache(...))  # decode steps one token at a time
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +31,31 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from kvtier.config import EngineConfig
 from kvtier.engine.offload import OffloadMode, block_summary, quest_scores, select_blocks
 
 ATTN_IMPLEMENTATION = "kvtier_sparse_eval"
-DEFAULT_BLOCK_TOKENS = 64
-DEFAULT_RECENT_BLOCKS = 2  # EngineConfig.offload_recent_blocks
 DEFAULT_BUDGETS = "1/32,1/16,1/8,1/4"
+
+
+def _engine_default(name: str) -> int:
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
+# the layout the engine runs by default (`EngineConfig`'s fields): what the eval measures unless told otherwise
+DEFAULT_BLOCK_TOKENS = _engine_default("block_tokens")
+DEFAULT_SINK_BLOCKS = _engine_default("offload_sink_blocks")
+DEFAULT_RECENT_BLOCKS = _engine_default("offload_recent_blocks")
 
 
 @dataclass(frozen=True, slots=True)
 class SparseWindow:
-    """The engine's offload layout (`EngineConfig.offload_sink_blocks` / `offload_recent_blocks`)."""
+    """The engine's offload layout (`EngineConfig.block_tokens` / `offload_sink_blocks` /
+    `offload_recent_blocks`, their defaults unless given)."""
 
     mode: OffloadMode
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    sink_blocks: int = 1
+    sink_blocks: int = DEFAULT_SINK_BLOCKS
     recent_blocks: int = DEFAULT_RECENT_BLOCKS
 
     def host_blocks(self, num_tokens: int) -> tuple[int, int]:
