@@ -30,7 +30,7 @@ def test_shared_options_have_the_serve_defaults_and_help():
      "kvtier: error: --device-kv-budget runs the serving engine and needs --kv-offload exact|sparse:BUDGET "
      "(--kv-offload alone offloads through TieredCache)\n"),
     (["--kv-offload", "sometimes"], "kvtier: error: kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 "
-                                    "or a number of blocks), got 'sometimes'\n"),
+                                    "or a number of pages), got 'sometimes'\n"),
 ])
 def test_bad_shared_options_exit_2_before_loading_a_model(capsys, argv, message):
     with pytest.raises(SystemExit) as info:

@@ -87,8 +87,9 @@ def test_sparse_offload_decodes_the_evals_masked_dynamic_cache(tiny_model, promp
     assert greedy(tiny_model.model, prompt, cache)[0] == expected
     eval_stats = masked.config.kvtier_sparse.stats
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4 * 2  # one layer-block, K + V, all heads
-    # the eval counts layer-head-blocks attended to; the cache the bytes it fetched for them
-    assert cache.offload_stats.decode_fetched_bytes == eval_stats.num_fetched_blocks * block_bytes // KV_HEADS
+    # the eval counts layer-head-pages attended to (a page: the block here); the cache the bytes it fetched for them
+    assert eval_stats.num_fetched_pages and masked.config.kvtier_sparse.window.page_tokens == BLOCK
+    assert cache.offload_stats.decode_fetched_bytes == eval_stats.num_fetched_pages * block_bytes // KV_HEADS
 
 
 def test_sparse_offload_decodes_the_engines_tokens(tiny_model, prompt):

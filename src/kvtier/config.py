@@ -25,12 +25,14 @@ TierWrites = Literal["full", "evict"]       # blocks go to the tiers when comput
 
 
 OffloadKind = Literal["exact", "sparse"]
+DEFAULT_OFFLOAD_PAGE_TOKENS = 64  # sparse offload's page (at most a block): docs/BENCHMARKS.md, issue 18
 
 
 @dataclass(frozen=True, slots=True)
 class OffloadMode:
     """How a long sequence attends to its host blocks: all of them (`exact`), or a budget (`sparse`):
-    `budget` < 1 is a fraction of its host blocks, >= 1 a number of blocks (per layer and KV head)."""
+    `budget` < 1 is a fraction of its host pages, >= 1 a number of pages (per layer and KV head; a page is
+    `offload_page_tokens` tokens of a block, the whole block when that is the block size)."""
 
     kind: OffloadKind
     budget: float = 1.0
@@ -40,16 +42,16 @@ class OffloadMode:
             raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET', got {self.kind!r}")
         if self.kind == "sparse" and not (self.budget > 0 and math.isfinite(self.budget)
                                           and (self.budget < 1 or self.budget == int(self.budget))):
-            raise ValueError("a sparse budget is a fraction in (0, 1) or a whole number of blocks, "
+            raise ValueError("a sparse budget is a fraction in (0, 1) or a whole number of pages, "
                              f"got {self.budget}")
 
-    def num_fetched(self, num_host_blocks: int) -> int:
-        """Host blocks attended to per layer and KV head. A fraction is a cap (rounded down, at least
-        one block): `sparse:1/8` never moves more than 1/8 of what exact moves."""
-        if self.kind == "exact" or num_host_blocks == 0:
-            return num_host_blocks
-        wanted = math.floor(self.budget * num_host_blocks) if self.budget < 1 else int(self.budget)
-        return max(1, min(num_host_blocks, wanted))
+    def num_fetched(self, num_host_pages: int) -> int:
+        """Host pages attended to per layer and KV head. A fraction is a cap (rounded down, at least
+        one page): `sparse:1/8` never moves more than 1/8 of what exact moves."""
+        if self.kind == "exact" or num_host_pages == 0:
+            return num_host_pages
+        wanted = math.floor(self.budget * num_host_pages) if self.budget < 1 else int(self.budget)
+        return max(1, min(num_host_pages, wanted))
 
     def __str__(self) -> str:
         if self.kind == "exact":
@@ -59,7 +61,7 @@ class OffloadMode:
 
 
 def parse_offload(text: str | None) -> OffloadMode | None:
-    """`off` (None), `exact`, `sparse:0.125`, `sparse:1/8` or `sparse:16` (blocks). ValueError otherwise."""
+    """`off` (None), `exact`, `sparse:0.125`, `sparse:1/8` or `sparse:16` (pages). ValueError otherwise."""
     text = (text or "off").strip().lower()
     if text in ("off", "none", ""):
         return None
@@ -68,13 +70,22 @@ def parse_offload(text: str | None) -> OffloadMode | None:
     kind, _, budget = text.partition(":")
     if kind != "sparse" or not budget:
         raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 or a number of "
-                         f"blocks), got {text!r}")
+                         f"pages), got {text!r}")
     try:
         value = float(Fraction(budget))
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"kv_offload: bad sparse budget {budget!r} (0.125, 1/8 or a number of blocks)") from None
+        raise ValueError(f"kv_offload: bad sparse budget {budget!r} (0.125, 1/8 or a number of pages)") from None
     return OffloadMode("sparse", value)
 
+
+def sparse_page_tokens(page_tokens: int, block_tokens: int) -> int:
+    """The unit sparse offload scores and fetches: pages of `page_tokens` tokens (Quest's pages), at most a
+    block; a page must divide the block. ValueError otherwise."""
+    page = min(page_tokens, block_tokens)
+    if page <= 0 or block_tokens % page:
+        raise ValueError(f"offload_page_tokens ({page_tokens}) must divide block_tokens ({block_tokens}): a "
+                         "block is a whole number of pages")
+    return page
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None, name: str | None = None,
@@ -223,16 +234,23 @@ class EngineConfig:
     # contexts larger than the device (engine/offload.py): a request longer than the device holds keeps
     # `offload_sink_blocks` + `offload_recent_blocks` blocks on the device, the rest pinned in the DRAM tier
     kv_offload: str = setting("off", help="requests longer than the device budget: off (refused), exact (every "
-                                          "host block attended), sparse:1/8 or sparse:N (Quest-picked blocks); "
+                                          "host block attended), sparse:1/8 or sparse:N (Quest-picked pages); "
                                           "their middle blocks live in the DRAM tier")
     offload_sink_blocks: int = setting(1, help="blocks an offloaded request keeps at its start (attention sinks)")
     offload_recent_blocks: int = setting(2, help="most recent blocks an offloaded request keeps on the device")
     offload_fetch_blocks: int = setting(0, help="layer-blocks per half of the offload fetch area (taken from the "
                                                 "budget)", shown="0: 1/8 of the budget")
+    offload_page_tokens: int = setting(DEFAULT_OFFLOAD_PAGE_TOKENS, help="tokens per page sparse:BUDGET scores and "
+                                       "fetches (Quest's unit; divides block_tokens; more: the block)")
 
     def offload_mode(self) -> OffloadMode | None:
         """The default `OffloadMode` (None: off)."""
         return parse_offload(self.kv_offload)
+
+    @property
+    def page_tokens(self) -> int:
+        """Tokens per page sparse offload selects (`offload_page_tokens`, at most a block)."""
+        return sparse_page_tokens(self.offload_page_tokens, self.block_tokens)
 
     def __post_init__(self) -> None:
         if self.tier_writes not in get_args(TierWrites):
@@ -240,7 +258,7 @@ class EngineConfig:
         if self.kv_codec not in ARENA_CODECS:
             raise ConfigError(f"kv_codec must be one of {', '.join(ARENA_CODECS)}, got {self.kv_codec!r}")
         for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens",
-                     "offload_recent_blocks"):
+                     "offload_recent_blocks", "offload_page_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.offload_sink_blocks < 0 or self.offload_fetch_blocks < 0:
@@ -249,6 +267,11 @@ class EngineConfig:
             offload = self.offload_mode()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if offload is not None:
+            try:
+                self.page_tokens
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if offload is not None and (self.kv_codec != "raw" or self.codec != "raw"):
             raise ConfigError(f"kv_offload needs the raw device and tier formats (kv_codec {self.kv_codec!r}, "
                               f"codec {self.codec!r}): offloaded blocks are attended to as they are")

@@ -14,7 +14,8 @@ from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
 from kvtier.engine.engine import ContextLengthError, HostRoomError
 from kvtier.engine.offload import (FetchArea, OffloadAttention, OffloadMode, OffloadStats, SeqOffload, attend,
-                                   block_summary, merge, parse_offload, quest_scores, select_blocks)
+                                   block_summary, merge, page_summary, parse_offload, quest_scores, select_blocks,
+                                   select_pages)
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.tiers.manager import build_manager
 
@@ -113,28 +114,33 @@ def test_exact_offload_equals_everything_on_the_device(loaded, long_prompts, loa
 
 
 @ON_DEVICES
-def test_sparse_with_every_block_in_budget_is_exact(loaded, long_prompts, loaded_refs):
-    """A sparse request whose budget covers every block: summaries kept, blocks fetched as exact."""
-    engine, manager = make(loaded, "sparse:1000")
+@pytest.mark.parametrize("page_tokens", [BLOCK, 2])  # a page is the block; pages of 2 tokens
+def test_sparse_with_every_page_in_budget_is_exact(loaded, long_prompts, loaded_refs, page_tokens):
+    """A sparse request whose budget covers every page: summaries kept, blocks fetched as exact."""
+    engine, manager = make(loaded, "sparse:1000", offload_page_tokens=page_tokens)
     engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
     outputs = drain(engine)["a"]
     assert [t for o in outputs for t in o.new_token_ids] == loaded_refs[2]
+    layout = engine.layout  # summaries: 2 x D fp32 values per layer, page and KV head of every block
+    per_block = layout.num_layers * (BLOCK // page_tokens) * layout.num_kv_heads * 2 * layout.head_dim * 4
+    assert outputs[-1].offload.summary_bytes == -(-(len(long_prompts[2]) + NEW) // BLOCK) * per_block
     engine.close()
     manager.close()
 
 
 @ON_DEVICES
-def test_sparse_budget_fetches_its_fraction(loaded, long_prompts):
+@pytest.mark.parametrize("page_tokens", [BLOCK, 2])
+def test_sparse_budget_fetches_its_fraction(loaded, long_prompts, page_tokens):
     per_token = {}
     for mode in ("exact", "sparse:1/4"):
-        engine, manager = make(loaded, mode, offload_fetch_blocks=4)
+        engine, manager = make(loaded, mode, offload_fetch_blocks=4, offload_page_tokens=page_tokens)
         engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW, ignore_eos=True))
         stats = drain(engine)["a"][-1].offload
         assert stats.num_decode_tokens == NEW - 1
         per_token[mode] = stats.fetched_bytes_per_token
         engine.close()
         manager.close()
-    # per decode step: floor(n / 4) of n host blocks (at least one): never more than 1/4 of exact's bytes
+    # per decode step: floor(n / 4) of n host pages (at least one): never more than 1/4 of exact's bytes
     assert 0 < per_token["sparse:1/4"] <= per_token["exact"] / 4
 
 
@@ -314,6 +320,41 @@ def test_config_refusals(tiny_model):
     assert parse_offload("sparse:1/8") == OffloadMode("sparse", 0.125) and str(parse_offload("sparse:0.125")) == "sparse:1/8"
     assert parse_offload("off") is None and OffloadMode("sparse", 0.125).num_fetched(20) == 2
     assert OffloadMode("sparse", 0.125).num_fetched(125) == 15 and OffloadMode("sparse", 0.125).num_fetched(5) == 1
+    with pytest.raises(ValueError, match="must divide block_tokens"):
+        EngineConfig(block_tokens=BLOCK, kv_offload="sparse:1/8", offload_page_tokens=3)
+    with pytest.raises(ValueError, match="must be positive"):
+        EngineConfig(offload_page_tokens=0)
+    assert EngineConfig(block_tokens=BLOCK, offload_page_tokens=64).page_tokens == BLOCK  # at most the block
+    assert EngineConfig(block_tokens=256, offload_page_tokens=64).page_tokens == 64
+    EngineConfig(block_tokens=BLOCK, offload_page_tokens=3)  # offload off: pages unused
+
+
+def test_page_selection_with_block_sized_pages_is_the_block_selection():
+    """P = T: one page per block, summaries, scores and picks exactly as when blocks were the unit."""
+    gen = torch.Generator().manual_seed(1)
+    n, l, h, g, t, d = 9, 2, 3, 2, 8, 16
+    k_blocks = torch.randn(n, l, h, t, d, generator=gen)
+    q = torch.randn(h, g, d, generator=gen)
+    summaries = torch.stack([page_summary(k, t) for k in k_blocks])  # [n, L, 1, H, 2, D]
+    assert summaries.shape == (n, l, 1, h, 2, d)
+    for layer in range(l):
+        # the block summary as it was: per-channel min and max over the block's tokens
+        old = torch.stack([k_blocks[:, layer].amin(dim=2), k_blocks[:, layer].amax(dim=2)], dim=2)  # [n, H, 2, D]
+        assert torch.equal(summaries[:, layer, 0], old) and torch.equal(block_summary(k_blocks[:, layer]), old)
+        for k in (1, 3, 9):
+            assert torch.equal(select_pages(summaries[:, layer], q, k), select_blocks(quest_scores(old, q), k))
+
+
+def test_page_selection_picks_pages_inside_blocks():
+    """Pages of 2 tokens in blocks of 4: the summary of each page is over its own tokens, the pick is
+    block * pages + page, each head its own."""
+    k_block = torch.zeros(1, 2, 4, 3)  # [L, H, T, D]
+    k_block[0, 0, 3, 0] = 5.0  # head 0: page 1 (tokens 2-3) matches q
+    k_block[0, 1, 0, 1] = 5.0  # head 1: page 0
+    summaries = torch.cat([torch.zeros(1, 2, 2, 2, 3), page_summary(k_block, 2)])  # 2 blocks: [2, pages, H, 2, D]
+    assert summaries[1, 1, 0, 1, 0] == 5.0 and summaries[1, 0, 0, 1, 0] == 0.0
+    q = torch.tensor([1.0, 1.0, 0.0]).expand(2, 1, 3)
+    assert select_pages(summaries, q, 1).tolist() == [[3, 2]]
 
 
 def test_log_sum_exp_merge_equals_attention_over_both():
@@ -348,7 +389,7 @@ def blocks_of(host: torch.Tensor, layer: int, slots: torch.Tensor) -> torch.Tens
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fetch_area_never_writes_a_half_attention_still_reads(device):
-    """Exact pieces fetched one ahead, a sparse gather (each head its own blocks) after each: every read
+    """Exact pieces fetched one ahead, a sparse gather (each head its own blocks, or pages) after each: every read
     sees what was fetched for it. On CUDA each read is queued behind a long matmul, so a copy that did not
     wait for the compute stream would land first; and nothing on the way syncs with the device."""
     host = host_slots(12, device, seed=3)
@@ -356,6 +397,7 @@ def test_fetch_area_never_writes_a_half_attention_still_reads(device):
     fetch.host = host
     plan = [(layer, torch.tensor(slots)) for layer in range(L) for slots in ([4, 0, 7], [9, 2], [5])]
     sparse = torch.tensor([[1, 5], [11, 3]])  # [n, H]
+    pages = torch.tensor([[0, 1], [1, 1]])    # [n, H]: pages of 2 tokens of those blocks (odd pieces)
     busy = torch.randn(4096, 4096, device=device) if device == "cuda" else None
     seen, want = [], []
     if device == "cuda":
@@ -371,9 +413,13 @@ def test_fetch_area_never_writes_a_half_attention_still_reads(device):
             want.append(blocks_of(host, layer, slots[:, None].expand(-1, H)))
             spare = fetch.spare_half()
             assert i + 1 == len(plan) or spare != (i + 1) % 2  # never the half piece i + 1 is landing in
-            num_tokens = fetch.gather(layer, sparse, spare)
+            if i % 2:
+                num_tokens = fetch.gather(layer, sparse, spare, pages, page_tokens=2)
+                want.append(pages_of(host, layer, sparse, pages, 2))
+            else:
+                num_tokens = fetch.gather(layer, sparse, spare)
+                want.append(blocks_of(host, layer, sparse))
             seen.append(fetch.kv(spare, num_tokens).clone())
-            want.append(blocks_of(host, layer, sparse))
     finally:
         if device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
@@ -384,16 +430,27 @@ def test_fetch_area_never_writes_a_half_attention_still_reads(device):
     fetch.close()
 
 
+def pages_of(host: torch.Tensor, layer: int, slots: torch.Tensor, pages: torch.Tensor, p: int) -> torch.Tensor:
+    """What a half holds after a gather of pages [k, H] of `slots` [k, H], p tokens each: [2, H, k p, D]."""
+    return torch.stack([torch.cat([host[s, layer, :, h, i * p:(i + 1) * p] for s, i in zip(slots[:, h].tolist(),
+                                                                                       pages[:, h].tolist())], dim=1)
+                        for h in range(H)], dim=1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode, half_blocks", [
-    ("exact", 2),     # 5 host blocks in pieces of 2, merged by log-sum-exp
-    ("exact", 8),     # all in one half, the window after them: one SDPA call
-    ("sparse:2", 8),  # each head its top 2 blocks, one call
-    ("sparse:2", 1),  # one block a piece
+@pytest.mark.parametrize("mode, half_blocks, page_tokens", [
+    ("exact", 2, T),     # 5 host blocks in pieces of 2, merged by log-sum-exp
+    ("exact", 8, T),     # all in one half, the window after them: one SDPA call
+    ("exact", 2, 2),     # pages do not change exact
+    ("sparse:2", 8, T),  # each head its top 2 blocks, one call
+    ("sparse:2", 1, T),  # one block a piece
+    ("sparse:3", 8, 2),  # each head its top 3 pages of 2 tokens, one call
+    ("sparse:3", 1, 2),  # two pages a piece (a block's tokens), then one
+    ("sparse:5", 8, 1),  # pages of one token
 ])
-def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_blocks):
+def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_blocks, page_tokens):
     """A decode step of an offloaded sequence, layer by layer: == softmax(q k^T) v over the blocks it
-    reads (all, or each KV head's Quest pick) and its device window, computed on the CPU from the host."""
+    reads (all, or each KV head's Quest pick of pages) and its device window, computed on the CPU from the host."""
     g, m, scale = 3, 6, 0.3  # query heads per KV head, device window tokens
     host = host_slots(10, device, seed=5)
     slots = torch.tensor([6, 1, 8, 3, 9])  # the sequence's host blocks, in context order
@@ -401,24 +458,27 @@ def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_b
     q = torch.randn(L, H * g, 1, D, generator=gen)
     k_dev, v_dev = torch.randn(2, L, H, m, D, generator=gen)
     on = torch.device(device)
-    summaries = torch.stack([block_summary(host[s, :, 0]) for s in slots.tolist()]).to(on)  # [n, L, H, 2, D]
+    summaries = torch.stack([page_summary(host[s, :, 0], page_tokens) for s in slots.tolist()]).to(on)
+    assert summaries.shape == (len(slots), L, T // page_tokens, H, 2, D)
     num_host = len(slots) * T
     off = SeqOffload(parse_offload(mode), slots, summaries, torch.tensor([num_host + m - 1], device=on),
                      torch.arange(num_host, num_host + m, device=on), True, OffloadStats())
     fetch = FetchArea(half_blocks, H, T, D, torch.float32, on, window_tokens=8)
     fetch.host = host
-    attention = OffloadAttention(fetch, L)
+    attention = OffloadAttention(fetch, L, page_tokens)
     attention.plan([off])
     got = [attention.forward(layer, q[layer].to(on), k_dev[layer].to(on), v_dev[layer].to(on), off, scale).cpu()
            for layer in range(L)]
     fetch.end()
     for layer in range(L):
-        read = slots[:, None].expand(-1, H)
+        read = blocks_of(host, layer, slots[:, None].expand(-1, H))
         if mode.startswith("sparse"):
             # the pick itself, made on the device as the attention makes it (not the point here)
-            top = select_blocks(quest_scores(summaries[:, layer], q[layer].view(H, g, D).to(on)), 2)
-            read = slots[top.cpu()]  # [2, H]
-        kv = torch.cat([blocks_of(host, layer, read), torch.stack([k_dev[layer], v_dev[layer]])], dim=2)
+            k, per_block = int(mode.partition(":")[2]), T // page_tokens
+            top = select_pages(summaries[:, layer], q[layer].view(H, g, D).to(on), k).cpu()  # [k, H]
+            assert 0 < k < len(slots) * per_block
+            read = pages_of(host, layer, slots[top // per_block], top % per_block, page_tokens)
+        kv = torch.cat([read, torch.stack([k_dev[layer], v_dev[layer]])], dim=2)
         q4 = q[layer].view(H, g, D)
         want = torch.softmax(q4 @ kv[0].transpose(1, 2) * scale, dim=-1) @ kv[1]  # [H, g, D]
         torch.testing.assert_close(got[layer], want.reshape(H * g, 1, D), rtol=1e-4, atol=1e-5)

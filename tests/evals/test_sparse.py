@@ -36,8 +36,8 @@ def greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     return out
 
 
-def engine_tokens(tiny_model, mode: str, prompt: list[int]) -> list[int]:
-    engine, manager = make(tiny_model, "exact", offload_fetch_blocks=4)
+def engine_tokens(tiny_model, mode: str, prompt: list[int], page_tokens: int = BLOCK) -> list[int]:
+    engine, manager = make(tiny_model, "exact", offload_fetch_blocks=4, offload_page_tokens=page_tokens)
     engine.add_request("a", prompt, SamplingParams(max_tokens=NEW, ignore_eos=True, kv_offload=mode))
     outputs = drain(engine)["a"]
     assert outputs[-1].offload.mode == mode
@@ -46,14 +46,15 @@ def engine_tokens(tiny_model, mode: str, prompt: list[int]) -> list[int]:
     return [t for o in outputs for t in o.new_token_ids]
 
 
+@pytest.mark.parametrize("page_tokens", [BLOCK, 2])  # a page is the block; pages of 2 tokens
 @pytest.mark.parametrize("mode", ["sparse:2", "sparse:1/4", "sparse:1"])
-def test_sparse_eval_attention_decodes_the_engines_tokens(tiny_model, long_prompt, mode):
-    window = SparseWindow(parse_offload(mode), block_tokens=BLOCK)
+def test_sparse_eval_attention_decodes_the_engines_tokens(tiny_model, long_prompt, mode, page_tokens):
+    window = SparseWindow(parse_offload(mode), block_tokens=BLOCK, page_tokens=page_tokens)
     model = sparse_model(tiny_model.model, window)
-    assert greedy(model, long_prompt, NEW) == engine_tokens(tiny_model, mode, long_prompt)
+    assert greedy(model, long_prompt, NEW) == engine_tokens(tiny_model, mode, long_prompt, page_tokens)
     stats = model.config.kvtier_sparse.stats
     assert stats.num_decode_steps == NEW - 1  # the first token comes from the (exact) prefill
-    assert 0 < stats.num_fetched_blocks < stats.num_host_blocks
+    assert 0 < stats.num_fetched_pages < stats.num_host_pages
     assert stats.num_attended_tokens < stats.num_context_tokens
 
 
@@ -62,7 +63,7 @@ def test_sparse_attention_differs_from_full_and_a_whole_budget_is_full(tiny_mode
     whole = sparse_model(tiny_model.model, SparseWindow(parse_offload("sparse:1000"), block_tokens=BLOCK))
     assert greedy(whole, long_prompt, NEW) == full == engine_tokens(tiny_model, "sparse:1000", long_prompt)
     stats = whole.config.kvtier_sparse.stats
-    assert stats.num_fetched_blocks == stats.num_host_blocks > 0
+    assert stats.num_fetched_pages == stats.num_host_pages > 0
     assert stats.num_attended_tokens == stats.num_context_tokens
     one = sparse_model(tiny_model.model, SparseWindow(parse_offload("sparse:1"), block_tokens=BLOCK))
     assert greedy(one, long_prompt, NEW) != full  # one host block of ~9 per head: it does drop something
@@ -82,6 +83,15 @@ def test_decode_mask_keeps_sinks_recent_and_the_best_block_per_head():
     blocks = [sorted({i // t for i in range(22) if mask[0, head, 0, i]}) for head in range(2 * h)]
     assert blocks == [[0, 2, 4, 5], [0, 2, 4, 5], [0, 3, 4, 5], [0, 3, 4, 5]]
     assert decode_mask(SparseWindow(parse_offload("sparse:3"), block_tokens=t), query, key)[0] is None
+    # pages of 2 tokens: the page holding each head's key (tokens 8-9, 12-13), the rest of its block out
+    mask, n, k = decode_mask(SparseWindow(parse_offload("sparse:1"), block_tokens=t, page_tokens=2), query, key)
+    assert (n, k) == (6, 1)
+    tokens = [[i for i in range(4, 16) if mask[0, head, 0, i]] for head in range(2 * h)]
+    assert tokens == [[8, 9], [8, 9], [12, 13], [12, 13]]
+    assert decode_mask(SparseWindow(parse_offload("sparse:6"), block_tokens=t, page_tokens=2), query, key)[0] is None
+    assert SparseWindow(parse_offload("sparse:1"), block_tokens=t, page_tokens=64).page_tokens == t  # at most a block
+    with pytest.raises(ValueError, match="must divide"):
+        SparseWindow(parse_offload("sparse:1"), block_tokens=t, page_tokens=3)
 
 
 def test_parse_methods_expands_sparse_to_the_offload_budgets():
@@ -97,6 +107,8 @@ def test_parse_methods_expands_sparse_to_the_offload_budgets():
     assert wide.label == "sparse-1/8-b16-r8" and wide.sparse_window.recent_blocks == 8
     [_, sinkless] = parse_methods("sparse:1/8", "0.5", sink_blocks=0)
     assert sinkless.label == "sparse-1/8-s0" and sinkless.sparse_window.host_blocks(1024) == (0, 2)
+    [_, paged] = parse_methods("sparse:1/8", "0.5", page_tokens=16)
+    assert paged.label == "sparse-1/8-p16" and paged.sparse_window.page_tokens == 16
 
 
 def test_the_default_layout_is_the_engines():
@@ -107,7 +119,9 @@ def test_the_default_layout_is_the_engines():
     [_, default] = parse_methods("sparse:1/8", "0.5")
     assert default.label == "sparse-1/8"  # no layout suffix at the engine's defaults
     assert default.sparse_window == SparseWindow(parse_offload("sparse:1/8"), engine.block_tokens,
-                                                 engine.offload_sink_blocks, engine.offload_recent_blocks)
+                                                 engine.offload_sink_blocks, engine.offload_recent_blocks,
+                                                 engine.offload_page_tokens)
+    assert default.sparse_window.page_tokens == engine.page_tokens
 
 
 def test_kvtier_eval_sparse_rows_on_tiny_model(capsys):

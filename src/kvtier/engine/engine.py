@@ -28,7 +28,8 @@ from kvtier.config import EngineConfig
 from kvtier.engine.arena import make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
-from kvtier.engine.offload import FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, block_summary, parse_offload
+from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, page_summary,
+                                   parse_offload)
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.transfer import KVTransfer
@@ -127,7 +128,8 @@ class LLMEngine:
                              "budget holds beside the fetch area: raise the budget or lower block_tokens")
         eos_token_ids = _eos_token_ids(loaded.model)
         self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids,
-                                  OffloadAttention(self.fetch, self.layout.num_layers) if self.fetch is not None else None)
+                                  OffloadAttention(self.fetch, self.layout.num_layers, config.page_tokens)
+                                  if self.fetch is not None else None)
         self.vocab_size = int(self.runner.lm_head.out_features)
         space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
         self.scheduler = Scheduler(
@@ -187,9 +189,10 @@ class LLMEngine:
             seq.host = HostBlocks(mode, need, stats=OffloadStats(mode=str(mode)))
             if mode.kind == "sparse":
                 num_blocks = -(-(len(prompt_token_ids) + sampling.max_tokens) // self.layout.block_tokens)
-                seq.host.summaries = torch.zeros((num_blocks, self.layout.num_layers, self.layout.num_kv_heads, 2,
-                                                  self.layout.head_dim), dtype=getattr(torch, self.layout.dtype),
-                                                 device=self.arena.device)
+                num_pages = self.layout.block_tokens // self.config.page_tokens  # per block
+                seq.host.summaries = torch.zeros((num_blocks, self.layout.num_layers, num_pages,
+                                                  self.layout.num_kv_heads, 2, self.layout.head_dim),
+                                                 dtype=getattr(torch, self.layout.dtype), device=self.arena.device)
                 seq.host.stats.summary_bytes = seq.host.summaries.numel() * seq.host.summaries.element_size()
             self.host_blocks_reserved += need
         self._seqs[request_id] = seq
@@ -359,7 +362,8 @@ class LLMEngine:
         if slot is None:
             raise RuntimeError(f"host memory could not hold a block of request {seq.request_id}")
         if host.summaries is not None:
-            host.summaries[len(host.slots)] = block_summary(self.arena.k_cache[:, offload.block_id])
+            host.summaries[len(host.slots)] = page_summary(self.arena.k_cache[:, offload.block_id],
+                                                           self.config.page_tokens)
         host.slots.append(slot)
         host.keys.append(offload.key)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
@@ -386,7 +390,8 @@ class LLMEngine:
                 if slot is None:
                     break
             if host.summaries is not None:
-                host.summaries[len(host.slots)] = block_summary(self.fetch.host[slot][:, 0].to(self.arena.device))
+                host.summaries[len(host.slots)] = page_summary(self.fetch.host[slot][:, 0].to(self.arena.device),
+                                                               self.config.page_tokens)
             host.slots.append(slot)
             host.keys.append(key)
             tiers.append(tier)

@@ -13,12 +13,14 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
   attended to (on CUDA: issues its copies on a side stream, see `FetchArea`). Output is the attention
   over the whole context: the pieces are merged by their log-sum-exp (FlashAttention's merge), the
   device window with its causal mask.
-- `sparse` (a budget in blocks, or a fraction of the host blocks): at each decode step and layer, a
-  per-block summary kept on the device (Quest: per-channel min and max of the block's keys, an upper
-  bound of q.k for any key in it) scores the host blocks for each KV head (the max over its group's
-  query heads); only the top blocks of each head are fetched. Prefill chunks are always exact. The
-  pick is made on the device and the copies are issued by the host, so on CUDA a sparse layer reads its
-  selection back (one sync per layer and sequence) and copies on the compute stream: not overlapped.
+- `sparse` (a budget in pages, or a fraction of the host pages): a host block of T tokens is T / P pages
+  of P tokens (`EngineConfig.offload_page_tokens`; P = T: a page is the block). At each decode step and
+  layer, a per-page summary kept on the device (Quest: per-channel min and max of the page's keys, an
+  upper bound of q.k for any key in it) scores the host pages for each KV head (the max over its group's
+  query heads); only the top pages of each head are fetched (a head's K and V of a page are P x D
+  contiguous in the slot: one copy each). Prefill chunks are always exact. The pick is made on the device
+  and the copies are issued by the host, so on CUDA a sparse layer reads its selection back (one sync per
+  layer and sequence) and copies on the compute stream: not overlapped.
 
 A request whose prompt is cached starts where that computation would have left it: its sink blocks on
 the device, its middle blocks pinned where the DRAM tier holds them (no copy: the blocks an earlier
@@ -28,7 +30,7 @@ and pinned there (`LLMEngine._pin_host_prefix`: a synchronous read in the step t
 fraction of a second for an 8k prompt from the SSD, against a minute of prefill on this CPU).
 
 Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
-Summaries (2 x head_dim values per layer, KV head and block) are device memory too, reported
+Summaries (2 x head_dim values per layer, KV head and page) are device memory too, reported
 apart from the KV (`OffloadStats.summary_bytes`). On the CPU the fetch thread copies with numpy
 memcpys. On CUDA the same thread issues `non_blocking` copies from the pinned DRAM slots on a side stream:
 piece i + 1's copy of layer l + 1 runs while the compute stream attends over piece i, ordered by CUDA
@@ -84,7 +86,7 @@ class HostBlocks:
     reserved_blocks: int                  # host slots set aside for it at admission (its longest need)
     slots: list[int] = field(default_factory=list)    # the DRAM slot of each (pinned)
     keys: list[bytes] = field(default_factory=list)
-    summaries: torch.Tensor | None = None  # [capacity, L, H, 2, D] key min / max per block (sparse)
+    summaries: torch.Tensor | None = None  # [capacity, L, pages, H, 2, D] key min / max per page (sparse)
     stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __len__(self) -> int:
@@ -97,7 +99,7 @@ class SeqOffload:
 
     mode: OffloadMode
     slots: torch.Tensor            # [n] long: the host slots of its middle blocks, in order
-    summaries: torch.Tensor | None  # [n, L, H, 2, D]
+    summaries: torch.Tensor | None  # [n, L, pages, H, 2, D]
     q_positions: torch.Tensor      # [num queries] positions of this step's tokens
     key_positions: torch.Tensor    # [device context] positions of the keys `arena.gather` returns
     decode: bool                   # one query: sparse applies (prefill chunks are exact)
@@ -113,21 +115,35 @@ def window_positions(block_ids: list[int], block_tokens: int, end: int) -> list[
     return positions
 
 
+def page_summary(k_block: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """k_block [L, H, T, D] -> [L, T / P, H, 2, D]: per-channel min and max over each page of P tokens (Quest)."""
+    l, h, t, d = k_block.shape
+    pages = k_block.reshape(l, h, t // page_tokens, page_tokens, d).transpose(1, 2)  # [L, pages, H, P, D]
+    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
+
+
 def block_summary(k_block: torch.Tensor) -> torch.Tensor:
-    """k_block [L, H, T, D] -> [L, H, 2, D]: per-channel min and max over the block's tokens (Quest)."""
-    return torch.stack([k_block.amin(dim=2), k_block.amax(dim=2)], dim=2)
+    """k_block [L, H, T, D] -> [L, H, 2, D]: the summary of the block as one page."""
+    return page_summary(k_block, k_block.shape[2])[:, 0]
 
 
 def quest_scores(summary: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Quest's bound of q.k over each block: summary [n, H, 2, D] (key min, max), q [H, G, D] (a KV
+    """Quest's bound of q.k over each page: summary [n, H, 2, D] (key min, max), q [H, G, D] (a KV
     head's group of query heads, one query) -> [n, H]: for each KV head the largest bound in its group."""
     bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
     return bound.amax(-1)
 
 
 def select_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best blocks of each KV head, scores [n, H] -> indices [k, H] in context order."""
+    """The k best of each KV head, scores [n, H] -> indices [k, H] in context order."""
     return scores.topk(k, dim=0).indices.sort(dim=0).values
+
+
+def select_pages(summaries: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
+    """Quest's pick over n blocks' pages: summaries [n, pages, H, 2, D] (`page_summary` of each block),
+    q [H, G, D] -> the k best pages of each KV head [k, H] in context order, as block * pages + page."""
+    n, pages = summaries.shape[:2]
+    return select_blocks(quest_scores(summaries.reshape(n * pages, *summaries.shape[2:]), q), k)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -155,9 +171,10 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.
 
 class FetchArea:
     """The device memory host blocks are attended from: two halves, each `[2 (K, V), H, tokens, D]`
-    with room for `half_blocks` host blocks and, after them, the sequence's device window, so one
-    attention call covers the whole context when its host blocks fit a half. Exact pieces are fetched
-    one ahead by a thread: piece i + 1 lands in one half while piece i is attended to from the other.
+    with room for `half_blocks` host blocks (`half_tokens`: as many tokens of pages) and, after them, the
+    sequence's device window, so one attention call covers the whole context when its host blocks fit a half.
+    Exact pieces are fetched one ahead by a thread: piece i + 1 lands in one half while piece i is attended to
+    from the other.
 
     CPU: the thread copies (numpy memcpys). CUDA: the thread issues piece i + 1's copies on a side
     stream the area owns (`non_blocking` from the pinned host slots), after an event recorded on the
@@ -208,6 +225,11 @@ class FetchArea:
         self._host_bytes = byte_array(payloads) if payloads.device.type == "cpu" else None
 
     @property
+    def half_tokens(self) -> int:
+        """Host tokens a half holds before the window."""
+        return self.half_blocks * self.block_tokens
+
+    @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
@@ -250,70 +272,75 @@ class FetchArea:
 
     def _fetch(self, i: int, free: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
         layer, slots = self._plan[i]
-        return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, self._side, free)
+        return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, stream=self._side, after=free)
 
     def spare_half(self) -> int:
         """The half no exact piece is being fetched into now (sparse fetches go there)."""
         return (self._next + 1) % 2 if self._pending is not None else self._next % 2
 
-    def gather(self, layer: int, slots: torch.Tensor, half: int) -> int:
-        """Layer `layer` of host blocks into one half: slots [n, H] (a CPU tensor), block j of head h is
-        `slots[j, h]` (exact: the same for every head; sparse: each head its own). Lands at tokens
-        [0, n T) of the half, each head's K and V contiguous. Returns n T. On CUDA the copies are queued
-        on the current stream (attention after it on that stream sees them)."""
-        return self._copy(layer, slots, half)[0]
+    def gather(self, layer: int, slots: torch.Tensor, half: int, pages: torch.Tensor | None = None,
+               page_tokens: int | None = None) -> int:
+        """Layer `layer` of host blocks, or of pages of them, into one half: slots [n, H] (a CPU tensor), item
+        j of head h is from block `slots[j, h]` (exact: the same for every head; sparse: each head its own);
+        `pages` [n, H] (CPU): which page of `page_tokens` (P) tokens of that block (None: the whole block,
+        P = T). Lands at tokens [0, n P) of the half, each head's K and V contiguous. Returns n P. On CUDA
+        the copies are queued on the current stream (attention after it on that stream sees them)."""
+        return self._copy(layer, slots, half, pages, page_tokens)[0]
 
-    def _copy(self, layer: int, slots: torch.Tensor, half: int, stream: torch.cuda.Stream | None = None,
+    def _copy(self, layer: int, slots: torch.Tensor, half: int, pages: torch.Tensor | None = None,
+              page_tokens: int | None = None, stream: torch.cuda.Stream | None = None,
               after: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | None]:
         n, h = slots.shape
-        assert n <= self.half_blocks, (n, self.half_blocks)
-        assert slots.device.type == "cpu", "host slots are host metadata: reading them from a device would sync"
-        rows = slots.tolist()
-        per_block = all(len(set(row)) == 1 for row in rows)  # every head the same block: one copy per block
-        num_bytes = 2 * h * n * self.block_tokens * self.buffer.shape[-1] * self.buffer.element_size()
+        t = page_tokens or self.block_tokens
+        assert self.block_tokens % t == 0 and n * t <= self.half_tokens, (n, t, self.half_tokens)
+        assert slots.device.type == "cpu" and (pages is None or pages.device.type == "cpu"), \
+            "host slots are host metadata: reading them from a device would sync"
+        firsts = (pages * t).tolist() if pages is not None else [[0] * h] * n  # each item's first token in its block
+        items = [list(zip(row, first)) for row, first in zip(slots.tolist(), firsts)]  # [n][H] (slot, first token)
+        uniform = all(len(set(row)) == 1 for row in items)  # every head the same block (page): one copy per item
+        num_bytes = 2 * h * n * t * self.buffer.shape[-1] * self.buffer.element_size()
         if self._side is None:
             start = time.perf_counter()
-            self._memcpy(layer, rows, half, per_block)
+            self._memcpy(layer, items, t, half, uniform)
             self._count(num_bytes, time.perf_counter() - start)
-            return n * self.block_tokens, None
-        done = self._cuda_copy(layer, rows, half, per_block, stream, after)
+            return n * t, None
+        done = self._cuda_copy(layer, items, t, half, uniform, stream, after)
         self._count(num_bytes, 0.0)  # its time: from its events, at end()
-        return n * self.block_tokens, done
+        return n * t, done
 
-    def _memcpy(self, layer: int, rows: list[list[int]], half: int, per_block: bool) -> None:
+    def _memcpy(self, layer: int, items: list[list[tuple[int, int]]], t: int, half: int, uniform: bool) -> None:
         # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
         # beside a forward that already uses them (the same reason as RawArena.write_block)
-        t = self.block_tokens
         dst, src = self._buffer_bytes[half], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
-        if per_block:
-            for j, row in enumerate(rows):
-                dst[:, :, j * t:(j + 1) * t] = src[row[0]]
-        else:
-            for j, row in enumerate(rows):
-                for head, slot in enumerate(row):
-                    dst[:, head, j * t:(j + 1) * t] = src[slot, :, head]
+        for j, row in enumerate(items):
+            if uniform:
+                slot, first = row[0]
+                dst[:, :, j * t:(j + 1) * t] = src[slot, :, :, first:first + t]
+                continue
+            for head, (slot, first) in enumerate(row):
+                dst[:, head, j * t:(j + 1) * t] = src[slot, :, head, first:first + t]
 
-    def _cuda_copy(self, layer: int, rows: list[list[int]], half: int, per_block: bool,
+    def _cuda_copy(self, layer: int, items: list[list[tuple[int, int]]], t: int, half: int, uniform: bool,
                    stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> torch.cuda.Event:
         """Queue the copies on `stream` (default: the current one), after `after`; returns their event."""
         stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-        t = self.block_tokens
         host, dst = self._host[:, layer], self.buffer[half]  # [S, 2, H, T, D] pinned, [2, H, tokens, D]
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
             start.record(stream)
-            for j, row in enumerate(rows):
-                if per_block:
-                    # [2, H, T, D], contiguous in the slot, into a strided range of the half: torch makes
-                    # it one cudaMemcpyAsync into a temporary on this stream (a layer-block, from the
-                    # allocator's cache, outside the budget) and one device copy kernel (Copy.cu)
-                    dst[:, :, j * t:(j + 1) * t].copy_(host[row[0]], non_blocking=True)
+            for j, row in enumerate(items):
+                if uniform:
+                    # [2, H, t, D] (a whole block: contiguous in the slot) into a strided range of the half:
+                    # torch makes it one cudaMemcpyAsync into a temporary on this stream (a layer-block, from
+                    # the allocator's cache, outside the budget) and one device copy kernel (Copy.cu)
+                    slot, first = row[0]
+                    dst[:, :, j * t:(j + 1) * t].copy_(host[slot, :, :, first:first + t], non_blocking=True)
                     continue
-                for head, slot in enumerate(row):
-                    for kv in range(2):  # a head's K (V) is T x D contiguous on both sides: one cudaMemcpyAsync
-                        dst[kv, head, j * t:(j + 1) * t].copy_(host[slot, kv, head], non_blocking=True)
+                for head, (slot, first) in enumerate(row):
+                    for kv in range(2):  # a head's K (V) of a page: t x D contiguous on both sides, one cudaMemcpyAsync
+                        dst[kv, head, j * t:(j + 1) * t].copy_(host[slot, kv, head, first:first + t], non_blocking=True)
             done.record(stream)
         self._timings.append((start, done))
         return done
@@ -331,7 +358,7 @@ class FetchArea:
         """Put the device window k, v [H, m, D] after the `num_tokens` host tokens of a half: the
         sequence's whole context [2, H, num_tokens + m, D], ready for one attention call."""
         m = k.shape[1]
-        assert m <= self.window_tokens + (self.half_blocks * self.block_tokens - num_tokens), (m, num_tokens)
+        assert m <= self.window_tokens + (self.half_tokens - num_tokens), (m, num_tokens)
         self.buffer[half, 0, :, num_tokens:num_tokens + m] = k
         self.buffer[half, 1, :, num_tokens:num_tokens + m] = v
         return self.buffer[half, :, :, :num_tokens + m]
@@ -363,14 +390,17 @@ class FetchArea:
 
 class OffloadAttention:
     """Attention of an offloaded sequence: its device window (sinks + recent, from the arena) and
-    its host blocks (through the fetch area). When the blocks it reads fit one half of the fetch
-    area (the usual case), the window is appended after them and one SDPA call (the kernel the
-    rest of the engine uses) covers the whole context; otherwise the pieces are merged by their
-    log-sum-exp."""
+    its host blocks (through the fetch area; sparse: each head's pages of `page_tokens`). When what it
+    reads fits one half of the fetch area (the usual case), the window is appended after it and one SDPA
+    call (the kernel the rest of the engine uses) covers the whole context; otherwise the pieces are
+    merged by their log-sum-exp."""
 
-    def __init__(self, fetch: FetchArea, num_layers: int) -> None:
+    def __init__(self, fetch: FetchArea, num_layers: int, page_tokens: int | None = None) -> None:
         self.fetch = fetch
         self.num_layers = num_layers
+        self.page_tokens = page_tokens or fetch.block_tokens  # None: a page is the block
+        self.pages_per_block = fetch.block_tokens // self.page_tokens
+        assert self.pages_per_block * self.page_tokens == fetch.block_tokens, (self.page_tokens, fetch.block_tokens)
 
     def plan(self, offloads: list[SeqOffload | None]) -> None:
         """Before the forward: every exact piece of the step in attention order (layer, then sequence)."""
@@ -383,9 +413,9 @@ class OffloadAttention:
                 plan += [(layer, off.slots[i:i + half]) for i in range(0, off.slots.numel(), half)]
         self.fetch.begin(plan)
 
-    @staticmethod
-    def _sparse(off: SeqOffload) -> bool:
-        return off.mode.kind == "sparse" and off.decode and off.mode.num_fetched(off.slots.numel()) < off.slots.numel()
+    def _sparse(self, off: SeqOffload) -> bool:
+        num_pages = off.slots.numel() * self.pages_per_block
+        return off.mode.kind == "sparse" and off.decode and off.mode.num_fetched(num_pages) < num_pages
 
     def forward(self, layer: int, q: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor, off: SeqOffload,
                 scale: float) -> torch.Tensor:
@@ -394,15 +424,15 @@ class OffloadAttention:
         hq, n, d = q.shape
         dev_mask = off.key_positions[None, :] <= off.q_positions[:, None]  # [N, M]
         num_host = off.slots.numel()
-        if self._sparse(off):
-            blocks = self._sparse_slots(layer, q.view(h, hq // h, n, d), off)  # [k, H]
+        if self._sparse(off):  # each head's top pages: slots [k, H], pages [k, H]
+            slots, pages, t = *self._sparse_pages(layer, q.view(h, hq // h, n, d), off), self.page_tokens
         else:
-            blocks = off.slots[:, None].expand(-1, h)
-        if blocks.shape[0] <= self.fetch.half_blocks:  # one call over [host blocks, window]
+            slots, pages, t = off.slots[:, None].expand(-1, h), None, self.fetch.block_tokens
+        if slots.shape[0] * t <= self.fetch.half_tokens:  # one call over [host tokens, window]
             if num_host == 0:
                 return F.scaled_dot_product_attention(q[None], k_dev[None], v_dev[None], attn_mask=dev_mask,
                                                       scale=scale, enable_gqa=hq != h)[0]
-            half, num_tokens = self._fetch_one(layer, blocks, off)
+            half, num_tokens = self._fetch_one(layer, slots, pages, t, off)
             kv = self.fetch.append_window(half, num_tokens, k_dev, v_dev)
             mask = None
             if n > 1:  # every host token precedes every query; the window is causal by position
@@ -411,29 +441,31 @@ class OffloadAttention:
                                                   enable_gqa=hq != h)[0]
         q4 = q.view(h, hq // h, n, d)
         out, lse = attend(q4, k_dev, v_dev, dev_mask, scale)
-        for k_host, v_host in self._pieces(layer, blocks, off):
+        for k_host, v_host in self._pieces(layer, slots, pages, t, off):
             out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
         return out.view(hq, n, d)
 
-    def _fetch_one(self, layer: int, blocks: torch.Tensor, off: SeqOffload) -> tuple[int, int]:
-        """The sequence's host blocks of this layer in one half: (half, tokens)."""
+    def _fetch_one(self, layer: int, slots: torch.Tensor, pages: torch.Tensor | None, t: int,
+                   off: SeqOffload) -> tuple[int, int]:
+        """The sequence's host blocks (sparse: pages of t tokens) of this layer in one half: (half, tokens)."""
         if self._sparse(off):
             start = time.perf_counter()
             half = self.fetch.spare_half()
-            num_tokens = self.fetch.gather(layer, blocks, half)
+            num_tokens = self.fetch.gather(layer, slots, half, pages, t)
             self._count(off, num_tokens, time.perf_counter() - start)
             return half, num_tokens
         half, num_tokens, waited = self.fetch.take()
         self._count(off, num_tokens, waited)
         return half, num_tokens
 
-    def _pieces(self, layer: int, blocks: torch.Tensor, off: SeqOffload):
-        """More blocks than a half holds: one half-full piece at a time, as K, V [H, tokens, D]."""
-        for i in range(0, blocks.shape[0], self.fetch.half_blocks):
+    def _pieces(self, layer: int, slots: torch.Tensor, pages: torch.Tensor | None, t: int, off: SeqOffload):
+        """More than a half holds: one half-full piece at a time, as K, V [H, tokens, D]."""
+        per_piece = self.fetch.half_tokens // t  # exact: half_blocks blocks, as planned
+        for i in range(0, slots.shape[0], per_piece):
             if self._sparse(off):
                 start = time.perf_counter()
                 half = self.fetch.spare_half()
-                num_tokens = self.fetch.gather(layer, blocks[i:i + self.fetch.half_blocks], half)
+                num_tokens = self.fetch.gather(layer, slots[i:i + per_piece], half, pages[i:i + per_piece], t)
                 waited = time.perf_counter() - start
             else:
                 half, num_tokens, waited = self.fetch.take()
@@ -441,13 +473,13 @@ class OffloadAttention:
             kv = self.fetch.kv(half, num_tokens)
             yield kv[0], kv[1]
 
-    @staticmethod
-    def _sparse_slots(layer: int, q4: torch.Tensor, off: SeqOffload) -> torch.Tensor:
-        """Quest's pick for each KV head: the host slots [k, H] of its top blocks, in context order."""
-        k = off.mode.num_fetched(off.slots.numel())
-        top = select_blocks(quest_scores(off.summaries[:, layer], q4[:, :, -1]), k)  # [k, H]
+    def _sparse_pages(self, layer: int, q4: torch.Tensor, off: SeqOffload) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quest's pick for each KV head, in context order: the host slots [k, H] of its top pages and each
+        one's page in its block [k, H]."""
+        k = off.mode.num_fetched(off.slots.numel() * self.pages_per_block)
         # the host issues the copies, so it must know the pick: on CUDA this read-back waits for the layer
-        return off.slots[top.cpu()]
+        top = select_pages(off.summaries[:, layer], q4[:, :, -1], k).cpu()  # [k, H]: block * pages + page
+        return off.slots[top // self.pages_per_block], top % self.pages_per_block
 
     def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> None:
         buffer = self.fetch.buffer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from kvtier.config import EngineConfig, Setting, command_settings, pick, settings_of
+from kvtier.config import EngineConfig, Setting, command_settings, pick, settings_of, sparse_page_tokens
 from kvtier.errors import UserError
 
 
@@ -34,10 +34,11 @@ class ByteTokenizer:
 def _layout_settings() -> list[Setting]:
     """The sparse offload layout's options: the engine's settings (`kvtier serve`'s defaults and help), the
     block size as --offload-block-tokens."""
-    block, sink, recent = pick(settings_of(EngineConfig), "block_tokens", "offload_sink_blocks",
-                               "offload_recent_blocks")
+    block, sink, recent, page = pick(settings_of(EngineConfig), "block_tokens", "offload_sink_blocks",
+                                     "offload_recent_blocks", "offload_page_tokens")
     return [replace(s, help=f"sparse offload: {s.help} (the engine's --{s.flag})", flag=flag)
-            for s, flag in ((block, "offload-block-tokens"), (sink, sink.flag), (recent, recent.flag))]
+            for s, flag in ((block, "offload-block-tokens"), (sink, sink.flag), (recent, recent.flag),
+                            (page, page.flag))]
 
 
 def register(app: typer.Typer) -> None:
@@ -50,7 +51,7 @@ def register(app: typer.Typer) -> None:
                                                "'sparse:1/8' one budget"),
         keep: str = typer.Option("0.25,0.5,0.75", help="eviction budgets: fractions of the tokens kept (0.125 or 1/8)"),
         offload_budgets: str = typer.Option("1/32,1/16,1/8,1/4", help="sparse offload fetch budgets: fractions of "
-                                                                       "the host blocks, or numbers of blocks"),
+                                                                       "the host pages, or numbers of pages"),
         context: str = typer.Option("2048", help="perplexity window length(s) in tokens, e.g. 2048,4096 "
                                                  "('' to skip perplexity)"),
         windows: int = typer.Option(2, help="perplexity windows per context length"),
@@ -80,7 +81,8 @@ def register(app: typer.Typer) -> None:
         snapkv_window = snapkv_window if snapkv_window is not None else "question"
         config = _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths,
                          snapkv_window, offload_budgets, score_tokens, settings["block_tokens"],
-                         settings["offload_sink_blocks"], settings["offload_recent_blocks"])
+                         settings["offload_sink_blocks"], settings["offload_recent_blocks"],
+                         settings["offload_page_tokens"])
         if text is None:
             from kvtier.data import SHAKESPEARE, shared_data_file
 
@@ -126,7 +128,7 @@ def _protocol(config) -> str:
 
 
 def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, passkey_depths, snapkv_window,
-            offload_budgets, score_tokens, block_tokens, sink_blocks, recent_blocks):
+            offload_budgets, score_tokens, block_tokens, sink_blocks, recent_blocks, page_tokens):
     if str(snapkv_window) != "question":
         try:
             snapkv_window = int(snapkv_window)
@@ -138,6 +140,10 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
         raise UserError("--windows, --chunk, --offload-block-tokens and --offload-recent-blocks must be positive")
     if sink_blocks < 0:
         raise UserError("--offload-sink-blocks must be >= 0")
+    try:
+        sparse_page_tokens(page_tokens, block_tokens)
+    except ValueError as exc:
+        raise UserError(f"--offload-page-tokens: {exc}") from None
     contexts = runner.parse_ints(context, "--context")
     if score_tokens is not None and not all(0 < score_tokens < ctx for ctx in contexts):
         raise UserError("--score-tokens must be positive and shorter than every --context")
@@ -146,7 +152,7 @@ def _config(runner, methods, keep, context, windows, chunk, passkey_lengths, pas
         raise UserError("--passkey-depths must be fractions in [0, 1]")
     return runner.EvalConfig(
         methods=runner.parse_methods(methods, keep, snapkv_window, offload_budgets, block_tokens, sink_blocks,
-                                     recent_blocks),
+                                     recent_blocks, page_tokens),
         context_tokens=contexts, num_windows=windows, chunk_tokens=chunk, score_tokens=score_tokens,
         passkey_lengths=runner.parse_ints(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
         passkey_depths=depths)

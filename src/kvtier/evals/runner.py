@@ -62,17 +62,20 @@ class Method:
     question_window: bool = False  # SnapKV: the window is the prompt's question where there is one
     offload: OffloadMode | None = None  # sparse offload: the fetch budget
     # sparse offload: the engine's layout (its defaults: sparse.DEFAULT_*) — block size, sinks and recent
-    # window on the device
+    # window on the device, the pages selected (at most a block)
     block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS
     sink_blocks: int = sparse.DEFAULT_SINK_BLOCKS
     recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS
+    page_tokens: int = sparse.DEFAULT_PAGE_TOKENS
 
     @property
     def label(self) -> str:
-        if self.offload is not None:  # sparse-1/8, or sparse-1/8-b64-s0-r8 off the engine's default layout
+        if self.offload is not None:  # sparse-1/8, or sparse-1/8-b64-s0-p16-r8 off the engine's default layout
+            page_tokens = self.sparse_window.page_tokens  # (an effective page other than the default's)
             return (str(self.offload).replace(":", "-")
                     + (f"-b{self.block_tokens}" if self.block_tokens != sparse.DEFAULT_BLOCK_TOKENS else "")
                     + (f"-s{self.sink_blocks}" if self.sink_blocks != sparse.DEFAULT_SINK_BLOCKS else "")
+                    + (f"-p{page_tokens}" if page_tokens != min(sparse.DEFAULT_PAGE_TOKENS, self.block_tokens) else "")
                     + (f"-r{self.recent_blocks}" if self.recent_blocks != sparse.DEFAULT_RECENT_BLOCKS else ""))
         name = self.name
         if name == "snapkv" and self.question_window:
@@ -85,7 +88,8 @@ class Method:
     def sparse_window(self) -> sparse.SparseWindow | None:
         if self.offload is None:
             return None
-        return sparse.SparseWindow(self.offload, self.block_tokens, self.sink_blocks, self.recent_blocks)
+        return sparse.SparseWindow(self.offload, self.block_tokens, self.sink_blocks, self.recent_blocks,
+                                   self.page_tokens)
 
     def model_for(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model the continuation runs through: a sparse method's attends as the engine's sparse offload."""
@@ -116,11 +120,12 @@ class Method:
 def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SNAPKV_WINDOW_TOKENS,
                   offload_budgets: str = sparse.DEFAULT_BUDGETS,
                   block_tokens: int = sparse.DEFAULT_BLOCK_TOKENS, sink_blocks: int = sparse.DEFAULT_SINK_BLOCKS,
-                  recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS) -> list[Method]:
+                  recent_blocks: int = sparse.DEFAULT_RECENT_BLOCKS,
+                  page_tokens: int = sparse.DEFAULT_PAGE_TOKENS) -> list[Method]:
     """`raw,int4,h2o` + `0.25,0.5` -> raw, int4, h2o@0.25, h2o@0.5 (raw is always included, first).
     `snapkv_window_tokens`: a token count, or "question" (the passkey question; 32 where there is none).
     `sparse` -> one sparse offload method per `offload_budgets`; `sparse:1/8` -> that budget only, each on
-    the layout `block_tokens` / `sink_blocks` / `recent_blocks` (the engine's defaults)."""
+    the layout `block_tokens` / `sink_blocks` / `recent_blocks` / `page_tokens` (the engine's defaults)."""
     question = snapkv_window_tokens == "question"
     window = SNAPKV_WINDOW_TOKENS if question else snapkv_window_tokens
     names = [m.strip() for m in methods.split(",") if m.strip()]
@@ -138,7 +143,7 @@ def parse_methods(methods: str, keeps: str, snapkv_window_tokens: int | str = SN
             budgets = [b.strip() for b in offload_budgets.split(",") if b.strip()] if name == "sparse" \
                 else [name.partition(":")[2]]
             out += [Method("sparse", offload=_sparse_mode(b), block_tokens=block_tokens, sink_blocks=sink_blocks,
-                           recent_blocks=recent_blocks) for b in budgets]
+                           recent_blocks=recent_blocks, page_tokens=page_tokens) for b in budgets]
         elif name != "raw":
             out.append(Method(name))
     return out
@@ -387,14 +392,15 @@ def _tally_placement(tally: _Tally, method: Method, run_model: torch.nn.Module, 
         tally.attended_fraction.append(resident / num_tokens)
         return
     stats = config.kvtier_sparse.stats
-    layer_head_block_bytes = 2 * window.block_tokens * head_dim(config) * SERVED_BYTES_PER_ELEMENT
+    layer_head_page_bytes = 2 * window.page_tokens * head_dim(config) * SERVED_BYTES_PER_ELEMENT
     first, end = window.host_blocks(num_tokens)
+    num_pages = (end - first) * (window.block_tokens // window.page_tokens)
     device_tokens = num_tokens - (end - first) * window.block_tokens
-    summary_bytes = (end - first) * config.num_hidden_layers * num_kv_heads(config) * layer_head_block_bytes \
-        // window.block_tokens   # per layer and KV head: key min + max, head_dim each
+    summary_bytes = num_pages * config.num_hidden_layers * num_kv_heads(config) * layer_head_page_bytes \
+        // window.page_tokens   # per layer, KV head and page: key min + max, head_dim each
     tally.device_kv_bytes.append(device_tokens * full_precision_bytes_per_token(config) + summary_bytes)
     if stats.num_decode_steps:
-        tally.fetched_bytes_per_token.append(stats.num_fetched_blocks * layer_head_block_bytes / stats.num_decode_steps)
+        tally.fetched_bytes_per_token.append(stats.num_fetched_pages * layer_head_page_bytes / stats.num_decode_steps)
         tally.attended_fraction.append(stats.num_attended_tokens / stats.num_context_tokens)
 
 
@@ -441,7 +447,7 @@ def _bits_or_budget(method: Method) -> str:
         return f"keep {100 * method.keep:g}%"
     if method.offload is not None:
         budget = str(method.offload).partition(":")[2]
-        unit = " of host blocks" if method.offload.budget < 1 else " host blocks"
+        unit = " of host pages" if method.offload.budget < 1 else " host pages"
         return f"fetch {budget}{unit}"
     return {"raw": "16-bit", "fp8": "8-bit fp", "int8": "8-bit", "int4": "4-bit", "int2": "2-bit",
             "int4-g128": "4-bit, 128-token key groups",

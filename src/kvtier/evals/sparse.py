@@ -2,19 +2,20 @@
 
 The engine (`engine/offload.py`) keeps an offloaded sequence's first `sink_blocks` blocks and its last
 `recent_blocks` (the open block and the one before it) on the device, every full block in between in
-host memory. At a decode step, for each layer and KV head, it scores the host blocks with Quest's bound
-(`quest_scores` of the post-RoPE query against each block's per-channel key min/max, `block_summary`)
-and attends to the sinks, the recent window and the top `OffloadMode.num_fetched(n)` host blocks
-(`select_blocks`). Prefill chunks are exact, and so is a step whose budget covers every host block.
+host memory; a block is pages of `page_tokens` (`EngineConfig.offload_page_tokens`, at most the block). At a
+decode step, for each layer and KV head, it scores the host pages with Quest's bound (`quest_scores` of the
+post-RoPE query against each page's per-channel key min/max, `page_summary`) and attends to the sinks, the
+recent window and the top `OffloadMode.num_fetched(n)` of its n host pages (`select_pages`). Prefill chunks
+are exact, and so is a step whose budget covers every host page.
 
 Here the same selection runs in an attention function registered in transformers' `AttentionInterface`
-over a normal `DynamicCache` that holds every token: a single-query pass masks out the host blocks that
-were not selected, which is the attention over sinks + recent + the fetched blocks — the engine's output
+over a normal `DynamicCache` that holds every token: a single-query pass masks out the host pages that
+were not selected, which is the attention over sinks + recent + the fetched pages — the engine's output
 up to float rounding (the engine merges its pieces by log-sum-exp). Passes of several tokens (a prefill,
 the passkey cue) are exact, as in the engine. The functions are imported from the engine, not copied,
 so the quality measured here is the engine's.
 
-    window = SparseWindow(parse_offload("sparse:1/8"))   # the engine's default layout
+    window = SparseWindow(parse_offload("sparse:1/8"))   # the engine's default layout (its pages too)
     model_s = sparse_model(model, window)            # shares the weights; stats in model_s.config
     model_s(ids, past_key_values=DynamicCache(...))  # decode steps one token at a time
 """
@@ -31,8 +32,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtier.config import EngineConfig
-from kvtier.engine.offload import OffloadMode, block_summary, quest_scores, select_blocks
+from kvtier.config import EngineConfig, sparse_page_tokens
+from kvtier.engine.offload import OffloadMode, page_summary, select_pages
 
 ATTN_IMPLEMENTATION = "kvtier_sparse_eval"
 DEFAULT_BUDGETS = "1/32,1/16,1/8,1/4"
@@ -46,17 +47,22 @@ def _engine_default(name: str) -> int:
 DEFAULT_BLOCK_TOKENS = _engine_default("block_tokens")
 DEFAULT_SINK_BLOCKS = _engine_default("offload_sink_blocks")
 DEFAULT_RECENT_BLOCKS = _engine_default("offload_recent_blocks")
+DEFAULT_PAGE_TOKENS = _engine_default("offload_page_tokens")
 
 
 @dataclass(frozen=True, slots=True)
 class SparseWindow:
     """The engine's offload layout (`EngineConfig.block_tokens` / `offload_sink_blocks` /
-    `offload_recent_blocks`, their defaults unless given)."""
+    `offload_recent_blocks` / `offload_page_tokens`, their defaults unless given)."""
 
     mode: OffloadMode
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     sink_blocks: int = DEFAULT_SINK_BLOCKS
     recent_blocks: int = DEFAULT_RECENT_BLOCKS
+    page_tokens: int = DEFAULT_PAGE_TOKENS  # the engine's `EngineConfig.page_tokens`: at most a block
+
+    def __post_init__(self) -> None:  # a page divides the block; a larger one is the block
+        object.__setattr__(self, "page_tokens", sparse_page_tokens(self.page_tokens, self.block_tokens))
 
     def host_blocks(self, num_tokens: int) -> tuple[int, int]:
         """Logical blocks [first, end) in host memory while the token at position num_tokens - 1 decodes
@@ -71,13 +77,13 @@ class SparseWindow:
 
 @dataclass(slots=True)
 class SparseStats:
-    """What the decode steps attended to, summed over steps (blocks: over layers and KV heads too)."""
+    """What the decode steps attended to, summed over steps (pages: over layers and KV heads too)."""
 
     num_decode_steps: int = 0
-    num_host_blocks: int = 0      # layer-head-blocks in host memory (what `exact` would fetch)
-    num_fetched_blocks: int = 0   # layer-head-blocks attended to from host memory (fetched)
+    num_host_pages: int = 0       # layer-head-pages in host memory (what `exact` would fetch)
+    num_fetched_pages: int = 0    # layer-head-pages attended to from host memory (fetched)
     num_context_tokens: int = 0   # per step: the context
-    num_attended_tokens: int = 0  # per step: sinks + recent + the fetched blocks' tokens (one head)
+    num_attended_tokens: int = 0  # per step: sinks + recent + the fetched pages' tokens (one head)
 
 
 @dataclass(slots=True)
@@ -90,20 +96,20 @@ class SparseDecode:
 
 def decode_mask(window: SparseWindow, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:
     """One decode step: query [1, Hq, 1, D] (post-RoPE), key [1, H, S, D] (the whole context, this token
-    last) -> (mask [1, Hq, 1, S], True where the step attends, or None: everything; host blocks n; fetched k)."""
+    last) -> (mask [1, Hq, 1, S], True where the step attends, or None: everything; host pages n; fetched k)."""
     first, end = window.host_blocks(key.shape[2])
-    n = end - first
+    t, p, (_, h, s, d) = window.block_tokens, window.page_tokens, key.shape
+    n = (end - first) * (t // p)
     k = window.mode.num_fetched(n)
-    if k >= n:  # the engine attends to every host block (exact)
+    if k >= n:  # the engine attends to every host page (exact)
         return None, n, n
-    t, (_, h, s, d) = window.block_tokens, key.shape
-    host_keys = key[0, :, first * t:end * t].reshape(h, n, t, d).transpose(0, 1)  # [n, H, T, D]
-    q = query[0, :, 0].reshape(h, -1, d)                                             # [H, G, D]
-    top = select_blocks(quest_scores(block_summary(host_keys), q), k)              # [k, H]
-    blocks = torch.ones(h, -(-s // t), dtype=torch.bool, device=key.device)        # [H, blocks]
-    blocks[:, first:end] = False
-    blocks.scatter_(1, (top + first).T, True)
-    mask = blocks.repeat_interleave(t, dim=1)[:, :s]                               # [H, S]
+    host_keys = key[0, :, first * t:end * t].reshape(h, end - first, t, d).transpose(0, 1)  # [blocks, H, T, D]
+    q = query[0, :, 0].reshape(h, -1, d)                                                     # [H, G, D]
+    top = select_pages(page_summary(host_keys, p), q, k)                                     # [k, H]
+    pages = torch.ones(h, -(-s // p), dtype=torch.bool, device=key.device)                 # [H, pages]
+    pages[:, first * t // p:end * t // p] = False
+    pages.scatter_(1, (top + first * t // p).T, True)
+    mask = pages.repeat_interleave(p, dim=1)[:, :s]                                        # [H, S]
     return mask.repeat_interleave(query.shape[1] // h, dim=0)[None, :, None], n, k
 
 
@@ -128,12 +134,12 @@ def sparse_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def _count(decode: SparseDecode, layer: int, key: torch.Tensor, n: int, k: int) -> None:
     stats, h, s = decode.stats, key.shape[1], key.shape[2]
-    stats.num_host_blocks += n * h
-    stats.num_fetched_blocks += k * h
+    stats.num_host_pages += n * h
+    stats.num_fetched_pages += k * h
     if layer == 0:
         stats.num_decode_steps += 1
         stats.num_context_tokens += s
-        stats.num_attended_tokens += s - (n - k) * decode.window.block_tokens
+        stats.num_attended_tokens += s - (n - k) * decode.window.page_tokens
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, sparse_attention)
