@@ -25,7 +25,7 @@ TierWrites = Literal["full", "evict"]       # blocks go to the tiers when comput
 
 
 OffloadKind = Literal["exact", "sparse"]
-DEFAULT_OFFLOAD_PAGE_TOKENS = 64  # sparse offload's page (at most a block): docs/BENCHMARKS.md, issue 18
+DEFAULT_OFFLOAD_PAGE_TOKENS = 32  # sparse offload's page (at most a block): docs/BENCHMARKS.md, issue 18
 
 
 @dataclass(frozen=True, slots=True)
