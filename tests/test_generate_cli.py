@@ -85,3 +85,30 @@ def test_kv_offload_without_a_budget_generates_through_tiered_cache(tiny_model):
     # one host block per layer and KV head per decode token: 2 layers x 8 tokens x 256 bytes (K + V, 2 heads)
     assert one.offload["fetched_bytes_per_decode_token"] == 2 * 8 * 256
     assert 0 < one.offload["fetched_bytes_per_decode_token"] < whole.offload["fetched_bytes_per_decode_token"] / 4
+
+
+def test_generate_passes_offload_page_tokens_to_tiered_cache(tiny_model, monkeypatch, capsys):
+    """`kvtier generate --kv-offload sparse:1 --offload-page-tokens 2`: one 2-token page per layer and KV
+    head per decode token, not a block (the option reaches TieredCache)."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from kvtier import models
+
+    class ByteTokenizer:  # the tiny model has none: a byte per token
+        eos_token_id = None
+
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=[3 + b % 250 for b in text.encode()])
+
+        def decode(self, ids, skip_special_tokens=True):
+            return str(ids)
+
+    monkeypatch.setattr(models, "load", lambda spec: dataclasses.replace(tiny_model, tokenizer=ByteTokenizer()))
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompt", "word " * 60, "--max-new-tokens", "6", "--tiers", "dram", "--block-tokens",
+              "8", "--kv-offload", "sparse:1", "--offload-page-tokens", "2", "--json"])
+    assert not info.value.code
+    offload = json.loads(capsys.readouterr().out)["offload"]
+    assert offload["mode"] == "sparse:1" and offload["fetched_bytes_per_decode_token"] == 2 * 2 * 256

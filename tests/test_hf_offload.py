@@ -44,9 +44,9 @@ def greedy(model, prompt: list[int], cache, num_tokens: int = NEW) -> tuple[list
     return tokens, logits
 
 
-def offloaded(loaded, mode: str, manager=None) -> TieredCache:
-    return TieredCache.for_model(loaded, manager, block_tokens=BLOCK, kv_offload=mode,
-                                 offload_sink_blocks=SINK, offload_recent_blocks=RECENT)
+def offloaded(loaded, mode: str, manager=None, page_tokens: int = BLOCK) -> TieredCache:
+    return TieredCache.for_model(loaded, manager, block_tokens=BLOCK, kv_offload=mode, offload_sink_blocks=SINK,
+                                 offload_recent_blocks=RECENT, offload_page_tokens=page_tokens)
 
 
 def host_blocks(num_tokens: int) -> int:
@@ -54,8 +54,8 @@ def host_blocks(num_tokens: int) -> int:
     return max(0, -(-num_tokens // BLOCK) - RECENT - SINK)
 
 
-def engine_tokens(loaded, mode: str, prompt: list[int]) -> list[int]:
-    engine, manager = make(loaded, "exact", offload_fetch_blocks=4)
+def engine_tokens(loaded, mode: str, prompt: list[int], page_tokens: int = BLOCK) -> list[int]:
+    engine, manager = make(loaded, "exact", offload_fetch_blocks=4, offload_page_tokens=page_tokens)
     engine.add_request("a", prompt, SamplingParams(max_tokens=NEW, ignore_eos=True, kv_offload=mode))
     try:
         return [t for o in drain(engine)["a"] for t in o.new_token_ids]
@@ -78,23 +78,53 @@ def test_exact_offload_is_dynamic_cache_bit_for_bit(tiny_model, prompt):
     assert cache.summary_bytes == 0  # exact needs no summaries
 
 
+@pytest.mark.parametrize("page_tokens", [BLOCK, 2])  # a page is the block; pages of 2 tokens in 8-token blocks
 @pytest.mark.parametrize("mode", ["sparse:2", "sparse:1/4", "sparse:1"])
-def test_sparse_offload_decodes_the_evals_masked_dynamic_cache(tiny_model, prompt, mode):
-    masked = sparse_model(tiny_model.model, SparseWindow(parse_offload(mode), block_tokens=BLOCK,
-                                                         sink_blocks=SINK, recent_blocks=RECENT))
+def test_sparse_offload_decodes_the_evals_masked_dynamic_cache(tiny_model, prompt, mode, page_tokens):
+    masked = sparse_model(tiny_model.model, SparseWindow(parse_offload(mode), block_tokens=BLOCK, sink_blocks=SINK,
+                                                         recent_blocks=RECENT, page_tokens=page_tokens))
     expected, _ = greedy(masked, prompt, DynamicCache(config=tiny_model.config))
-    cache = offloaded(tiny_model, mode)
+    cache = offloaded(tiny_model, mode, page_tokens=page_tokens)
     assert greedy(tiny_model.model, prompt, cache)[0] == expected
     eval_stats = masked.config.kvtier_sparse.stats
-    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * 4 * 2  # one layer-block, K + V, all heads
-    # the eval counts layer-head-pages attended to (a page: the block here); the cache the bytes it fetched for them
-    assert eval_stats.num_fetched_pages and masked.config.kvtier_sparse.window.page_tokens == BLOCK
-    assert cache.offload_stats.decode_fetched_bytes == eval_stats.num_fetched_pages * block_bytes // KV_HEADS
+    page_bytes = page_tokens * KV_HEADS * HEAD_DIM * 4 * 2  # one layer-page, K + V, all heads
+    # the eval counts layer-head-pages attended to; the cache the bytes it fetched for them
+    assert eval_stats.num_fetched_pages and masked.config.kvtier_sparse.window.page_tokens == page_tokens
+    assert cache.offload_stats.decode_fetched_bytes == eval_stats.num_fetched_pages * page_bytes // KV_HEADS
 
 
-def test_sparse_offload_decodes_the_engines_tokens(tiny_model, prompt):
-    cache = offloaded(tiny_model, "sparse:1/4")
-    assert greedy(tiny_model.model, prompt, cache)[0] == engine_tokens(tiny_model, "sparse:1/4", prompt)
+@pytest.mark.parametrize("page_tokens", [BLOCK, 2])
+def test_sparse_offload_decodes_the_engines_tokens(tiny_model, prompt, page_tokens):
+    cache = offloaded(tiny_model, "sparse:1/4", page_tokens=page_tokens)
+    assert greedy(tiny_model.model, prompt, cache)[0] == engine_tokens(tiny_model, "sparse:1/4", prompt, page_tokens)
+
+
+def test_sparse_pages_return_each_heads_pages_and_count_their_summaries(tiny_model, prompt):
+    """sparse:3 with 2-token pages: a decode step returns sink + 3 pages (6 tokens) per head + the tail, each
+    host page has its own key min/max, and one decode token fetches 3 pages per layer and KV head."""
+    cache = offloaded(tiny_model, "sparse:3", page_tokens=2)
+    lengths = []
+    update = cache.update
+
+    def recording_update(key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = update(key_states, value_states, layer_idx, *args, **kwargs)
+        if key_states.shape[-2] == 1:
+            lengths.append((cache.get_seq_length(), keys.shape[2]))
+        return keys, values
+
+    cache.update = recording_update
+    greedy(tiny_model.model, prompt, cache)
+    for num_tokens, returned in lengths:
+        assert returned == SINK * BLOCK + 3 * 2 + num_tokens - (SINK + host_blocks(num_tokens)) * BLOCK
+    num_tokens = len(prompt) + NEW - 1
+    assert cache.summary_bytes == host_blocks(num_tokens) * (BLOCK // 2) * KV_HEADS * 2 * HEAD_DIM * 4 * LAYERS
+    assert cache.fetched_bytes_per_token == 3 * 2 * TOKEN_BYTES * LAYERS
+
+
+def test_a_page_that_does_not_divide_the_block_is_a_value_error(tiny_model):
+    with pytest.raises(ValueError, match="offload_page_tokens \\(3\\) must divide block_tokens \\(8\\)"):
+        offloaded(tiny_model, "sparse:1", page_tokens=3)
+    offloaded(tiny_model, "exact", page_tokens=3)  # exact fetches whole blocks: no page to check
 
 
 def test_a_budget_over_every_block_is_dynamic_cache_and_a_small_one_is_not(tiny_model, prompt):
@@ -238,12 +268,12 @@ def test_what_offload_refuses(tiny_model):
 @pytest.mark.smollm2
 def test_smollm2_sparse_offload_decodes_the_evals_tokens(smollm2, shakespeare_text):
     prompt = smollm2.tokenizer(shakespeare_text[:4000]).input_ids[:700]
-    block = 32
+    block, page = 32, 8
     for mode in ("exact", "sparse:1/4"):
         masked = sparse_model(smollm2.model, SparseWindow(parse_offload(mode if mode != "exact" else "sparse:1000"),
-                                                          block_tokens=block))
+                                                          block_tokens=block, page_tokens=page))
         expected = greedy(masked, prompt, DynamicCache(config=smollm2.config), 16)[0]
-        cache = TieredCache.for_model(smollm2, block_tokens=block, kv_offload=mode)
+        cache = TieredCache.for_model(smollm2, block_tokens=block, kv_offload=mode, offload_page_tokens=page)
         assert greedy(smollm2.model, prompt, cache, 16)[0] == expected, mode
         num_host = -(-(700 + 15) // block) - 2 - 1  # 715 tokens in the cache: all but sink + recent
         assert cache.offloaded_bytes == num_host * smollm2.kv_layout(block).block_bytes

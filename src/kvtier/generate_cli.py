@@ -77,7 +77,7 @@ class _FirstTokenTimer:
 
 def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw", block_tokens: int = 256,
                  kv_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
-                 offload_recent_blocks: int = 2) -> GenerateResult:
+                 offload_recent_blocks: int = 2, offload_page_tokens: int | None = None) -> GenerateResult:
     """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""
     import torch
 
@@ -88,7 +88,8 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
     start = time.perf_counter()
     cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens, resident_codec=kv_codec,
                                   kv_offload=kv_offload, offload_sink_blocks=offload_sink_blocks,
-                                  offload_recent_blocks=offload_recent_blocks)
+                                  offload_recent_blocks=offload_recent_blocks,
+                                  **({"offload_page_tokens": offload_page_tokens} if offload_page_tokens else {}))
     cached = cache.load_prefix(ids, reserve_tokens=max_new_tokens)
     timer = _FirstTokenTimer()
     with torch.inference_mode():
@@ -163,7 +164,7 @@ def _shared_settings():
     from kvtier.server.config import ServeConfig
 
     return pick(ServeConfig.settings(), "model", "codec", "kv_codec", "block_tokens", "kv_offload",
-                "offload_sink_blocks", "offload_recent_blocks", "offload_fetch_blocks")
+                "offload_sink_blocks", "offload_recent_blocks", "offload_fetch_blocks", "offload_page_tokens")
 
 
 def register(app: typer.Typer) -> None:
@@ -215,7 +216,8 @@ def register(app: typer.Typer) -> None:
                 result = run_generate(loaded, manager, prompt_ids, max_new_tokens=max_new_tokens, codec=shared.codec,
                                       block_tokens=shared.block_tokens, kv_codec=shared.kv_codec,
                                       kv_offload=shared.kv_offload, offload_sink_blocks=shared.offload_sink_blocks,
-                                      offload_recent_blocks=shared.offload_recent_blocks)
+                                      offload_recent_blocks=shared.offload_recent_blocks,
+                                      offload_page_tokens=shared.offload_page_tokens)
             manager.flush()
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:

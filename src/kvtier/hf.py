@@ -14,7 +14,8 @@ Four things over `DynamicCache`:
 - contexts larger than the device (issue 18, `kv_offload`, the layers of `hf_offload`): each layer
   keeps `offload_sink_blocks` + `offload_recent_blocks` blocks on the device and its middle blocks in
   (pinned) host memory; `exact` attends to all of them (token-identical to `DynamicCache`), `sparse:BUDGET`
-  at a decode step to the top blocks of each KV head by Quest's bound, picked by the engine's functions;
+  at a decode step to the top pages (`offload_page_tokens`) of each KV head by Quest's bound, picked by the
+  engine's functions;
 - optionally quantized resident KV (`resident_codec`: fp8, int8, KIVI int4/int2, the layers of
   `levers.quantized_cache` with their full-precision residual), whose blocks go to the tiers as
   attention sees them, in a key space of their own.
@@ -44,7 +45,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeyChain, KeySpace, KVLayout, key_codec
 from kvtier.codecs import get_codec
 from kvtier.codecs.codec import byte_array
-from kvtier.config import OffloadMode, parse_offload
+from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, OffloadMode, parse_offload
 from kvtier.engine.offload import OffloadStats
 from kvtier.hf_offload import OffloadLayer, QueryTap
 from kvtier.transfer import BlockMover
@@ -183,15 +184,17 @@ class TieredCache(Cache):
 
     Lossless codecs give token-for-token the same greedy output as `DynamicCache`, with or without
     `kv_offload="exact"`. One sequence (batch size 1) per cache object when prefix reuse or sparse
-    offload is used. `kv_offload`: None / "off", "exact", "sparse:1/8" (a fraction of the host blocks)
-    or "sparse:4" (blocks per layer and KV head) — `kvtier.config.parse_offload`; a sparse cache needs
-    the model whose queries pick the blocks (`for_model` passes it).
+    offload is used. `kv_offload`: None / "off", "exact", "sparse:1/8" (a fraction of the host pages)
+    or "sparse:4" (pages per layer and KV head) — `kvtier.config.parse_offload`; a page is
+    `offload_page_tokens` tokens of a block (the engine's default; the block when larger); a sparse cache
+    needs the model whose queries pick the pages (`for_model` passes it).
     """
 
     def __init__(self, config, manager=None, *, model_fingerprint: str, codec: str = "raw",
                  namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: torch.dtype = torch.float32,
                  resident_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
-                 offload_recent_blocks: int = 2, model: torch.nn.Module | None = None) -> None:
+                 offload_recent_blocks: int = 2, offload_page_tokens: int = DEFAULT_OFFLOAD_PAGE_TOKENS,
+                 model: torch.nn.Module | None = None) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types) or getattr(text_config, "sliding_window", None) \
@@ -213,7 +216,7 @@ class TieredCache(Cache):
         exact = self.offload is not None and self.offload.kind == "exact"
         self._prefetch_stream = torch.cuda.Stream() if exact and torch.cuda.is_available() else None
         super().__init__(layers=_layers(self.layout, resident_codec, self.offload, offload_sink_blocks,
-                                        offload_recent_blocks, model))
+                                        offload_recent_blocks, offload_page_tokens, model))
 
     @classmethod
     def for_model(cls, loaded, manager=None, **kwargs) -> "TieredCache":
@@ -260,7 +263,7 @@ class TieredCache(Cache):
 
     @property
     def summary_bytes(self) -> int:
-        """Quest's per-block key min/max on the device (sparse), apart from the KV."""
+        """Quest's per-page key min/max on the device (sparse), apart from the KV."""
         return sum(layer.summary_bytes() for layer in self._offload_layers())
 
     @property
@@ -426,7 +429,7 @@ class _WindowSink:
 
 
 def _layers(layout: KVLayout, resident_codec: str, offload: OffloadMode | None, sink_blocks: int,
-            recent_blocks: int, model: torch.nn.Module | None) -> list:
+            recent_blocks: int, page_tokens: int, model: torch.nn.Module | None) -> list:
     num_layers = layout.num_layers
     if offload is not None:
         if resident_codec != "raw":
@@ -437,7 +440,7 @@ def _layers(layout: KVLayout, resident_codec: str, offload: OffloadMode | None, 
                              "TieredCache.for_model(loaded, ...) or pass model=")
         tap = QueryTap.of(model) if offload.kind == "sparse" else None
         return [OffloadLayer(offload, layout.block_tokens, sink_blocks, recent_blocks,
-                             partial(tap.query, i) if tap else None) for i in range(num_layers)]
+                             partial(tap.query, i) if tap else None, page_tokens) for i in range(num_layers)]
     if resident_codec == "raw":
         return [TieredLayer() for _ in range(num_layers)]
     from kvtier.levers.quantized_cache import QuantizedKVLayer, codec_quantizer

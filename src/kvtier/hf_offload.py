@@ -12,11 +12,13 @@ rule: with n tokens in the context, logical blocks [sink, max(sink, ceil(n / T) 
   window's tail, the new tokens — the same K/V values `DynamicCache` returns, so attention and the
   greedy tokens are the same. On CUDA the next layer's host blocks are copied on a side stream
   (`stage`) while this layer computes.
-- `sparse:BUDGET`: a one-token update (a decode step) scores the host blocks for each KV head with the
-  step's query — Quest's per-channel key min/max per block (`block_summary`, kept on the device),
-  `quest_scores`, `select_blocks`: the engine's functions, imported, so the pick is the engine's — and
-  returns [B, H, m, D]: the sink, each head's top `OffloadMode.num_fetched(n)` host blocks in context
-  order, the recent window. Each KV head attends to its own blocks; that is valid because keys are
+- `sparse:BUDGET`: a one-token update (a decode step) scores the host *pages* (`page_tokens` tokens of a
+  block, the engine's `offload_page_tokens`; the block when that is the block size) for each KV head with
+  the step's query — Quest's per-channel key min/max per page (`page_summary`, kept on the device),
+  `select_pages`: the engine's functions, imported, so the pick is the engine's — and returns [B, H, m, D]:
+  the sink, each head's top `OffloadMode.num_fetched(n)` of its n host pages in context order (a head's K
+  and V of a page are P x D contiguous in the host block: one copy each), the recent window. Each KV head
+  attends to its own pages; that is valid because keys are
   cached after RoPE (a key's position travels with it) and a single query needs no causal mask.
   `get_mask_sizes` reports m for such a step, so the mask transformers builds has the keys' length
   (SDPA gets none for one unpadded query; eager gets m zeros). Multi-token updates (prefill chunks,
@@ -36,19 +38,20 @@ from functools import partial
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtier.config import OffloadMode
-from kvtier.engine.offload import block_summary, quest_scores, select_blocks
+from kvtier.config import OffloadMode, sparse_page_tokens
+from kvtier.engine.offload import page_summary, select_pages
 
 
 class OffloadLayer(CacheLayerMixin):
     """One layer: `keys`/`values` are the device window [B, H, (sink + recent) T, D] — tokens [0, sink T),
     then the tail, tokens [(sink + num_host_blocks) T, num_tokens) — and `_host_k`/`_host_v`
-    [B, capacity, H, T, D] the host blocks; `_summaries` [capacity, H, 2, D] their key min/max (sparse)."""
+    [B, capacity, H, T, D] the host blocks; `_summaries` [capacity, T / P, H, 2, D] their pages' key min/max
+    (sparse, pages of P = `page_tokens`)."""
 
     is_sliding = False
 
     def __init__(self, mode: OffloadMode, block_tokens: int, sink_blocks: int, recent_blocks: int,
-                 query: Callable[[], torch.Tensor] | None = None) -> None:
+                 query: Callable[[], torch.Tensor] | None = None, page_tokens: int | None = None) -> None:
         super().__init__()
         if recent_blocks < 1 or sink_blocks < 0:
             raise ValueError(f"kv_offload keeps at least the open block: recent_blocks >= 1 and sink_blocks >= 0, "
@@ -57,6 +60,10 @@ class OffloadLayer(CacheLayerMixin):
             raise ValueError("sparse kv_offload scores blocks with each decode step's query: give the layer one")
         self.mode = mode
         self.block_tokens, self.sink_blocks, self.recent_blocks = block_tokens, sink_blocks, recent_blocks
+        # sparse's unit: pages of P tokens, P dividing the block (None, or exact: the block); ValueError otherwise
+        self.page_tokens = sparse_page_tokens(page_tokens if mode.kind == "sparse" and page_tokens else block_tokens,
+                                              block_tokens)
+        self.pages_per_block = block_tokens // self.page_tokens
         self.query = query
         self.num_tokens = 0
         self.num_host_blocks = 0  # logical blocks sink_blocks .. sink_blocks + num_host_blocks - 1
@@ -91,8 +98,9 @@ class OffloadLayer(CacheLayerMixin):
         decode = key_states.shape[-2] == 1
         self.num_decode_steps += decode
         if decode and self.mode.kind == "sparse":
-            num_fetched = self.mode.num_fetched(self.num_host_blocks)
-            if num_fetched < self.num_host_blocks:
+            num_pages = self.num_host_blocks * self.pages_per_block
+            num_fetched = self.mode.num_fetched(num_pages)
+            if num_fetched < num_pages:
                 return self._sparse(num_fetched)
         return self._whole(num_host_before, tail_k, tail_v, decode)
 
@@ -100,8 +108,8 @@ class OffloadLayer(CacheLayerMixin):
         """(keys the next update returns, 0): a sparse decode step returns fewer than the context."""
         num_tokens = self.num_tokens + query_length
         if query_length == 1 and self.mode.kind == "sparse":
-            num_host = self._host_end(num_tokens) - self.sink_blocks
-            num_tokens -= (num_host - self.mode.num_fetched(num_host)) * self.block_tokens
+            num_pages = (self._host_end(num_tokens) - self.sink_blocks) * self.pages_per_block
+            num_tokens -= (num_pages - self.mode.num_fetched(num_pages)) * self.page_tokens
         return num_tokens, 0
 
     def get_seq_length(self) -> int:
@@ -186,7 +194,7 @@ class OffloadLayer(CacheLayerMixin):
         self._host_k[:, first:first + j].copy_(blocks_k)
         self._host_v[:, first:first + j].copy_(v.unflatten(2, (j, self.block_tokens)).transpose(1, 2))
         if self._summaries is not None:
-            self._summaries[first:first + j] = block_summary(blocks_k[0])
+            self._summaries[first:first + j] = page_summary(blocks_k[0], self.page_tokens)
         self.num_host_blocks += j
 
     def reserve_host(self, num_blocks: int) -> None:
@@ -205,7 +213,7 @@ class OffloadLayer(CacheLayerMixin):
             host_v[:, :n].copy_(self._host_v[:, :n])
         self._host_k, self._host_v = host_k, host_v
         if self.mode.kind == "sparse":
-            summaries = torch.empty((num_blocks, h, 2, d), dtype=self.dtype, device=self.device)
+            summaries = torch.empty((num_blocks, self.pages_per_block, h, 2, d), dtype=self.dtype, device=self.device)
             if n:
                 summaries[:n] = self._summaries[:n]
             self._summaries = summaries
@@ -224,7 +232,7 @@ class OffloadLayer(CacheLayerMixin):
 
     def restored(self, num_blocks: int) -> None:
         """`num_blocks` full blocks were written: the last ones move from host memory into the recent
-        window, the host blocks get their summaries."""
+        window, the host blocks get their pages' summaries."""
         t_block, sink = self.block_tokens, self.sink_blocks
         end = self._host_end(num_blocks * t_block)
         for block in range(end, num_blocks):
@@ -233,8 +241,8 @@ class OffloadLayer(CacheLayerMixin):
             self.values[0, :, start:start + t_block].copy_(self._host_v[0, block - sink])
         self.num_tokens, self.num_host_blocks = num_blocks * t_block, end - sink
         if self._summaries is not None and self.num_host_blocks:
-            self._summaries[:self.num_host_blocks] = block_summary(
-                self._host_k[0, :self.num_host_blocks].to(self.device))
+            self._summaries[:self.num_host_blocks] = page_summary(
+                self._host_k[0, :self.num_host_blocks].to(self.device), self.page_tokens)
 
     def block_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full block `index` of batch row 0 (for the tiers): K, V [H, T, D], wherever it lives."""
@@ -276,29 +284,32 @@ class OffloadLayer(CacheLayerMixin):
         return host_k, host_v
 
     def _sparse(self, num_fetched: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step: sink + each KV head's `num_fetched` best host blocks + the tail, [1, H, m, D]."""
+        """A decode step: sink + each KV head's `num_fetched` best host pages + the tail, [1, H, m, D]."""
         n, h, d = self.num_host_blocks, self.keys.shape[1], self.keys.shape[-1]
         query = self.query()  # [1, Hq, 1, D], after RoPE
-        top = select_blocks(quest_scores(self._summaries[:n], query[0, :, 0].reshape(h, -1, d)), num_fetched)  # [k, H]
+        top = select_pages(self._summaries[:n], query[0, :, 0].reshape(h, -1, d), num_fetched)  # [k, H]
         start = time.perf_counter()
-        rows, heads = top.cpu(), torch.arange(h)
-        # block top[j, head] of each head: [k, H, T, D] gathered on the host, then one copy
-        host_k = self._host_k[0][rows, heads].to(self.device, non_blocking=True)[None]
-        host_v = self._host_v[0][rows, heads].to(self.device, non_blocking=True)[None]
+        top, heads = top.cpu(), torch.arange(h)
+        blocks, pages = top // self.pages_per_block, top % self.pages_per_block
+        # page top[j, head] of each head: [k, H, P, D] gathered on the host, then one copy
+        shape = (self._host_k.shape[1], h, self.pages_per_block, self.page_tokens, d)
+        host_k = self._host_k[0].view(shape)[blocks, heads, pages].to(self.device, non_blocking=True)[None]
+        host_v = self._host_v[0].view(shape)[blocks, heads, pages].to(self.device, non_blocking=True)[None]
         self._count(2 * host_k.nbytes, True, time.perf_counter() - start)
         sink = self.sink_blocks * self.block_tokens
         tail_end = self.num_tokens - n * self.block_tokens
         return (self._joined(self.keys, host_k, self.keys[:, :, sink:tail_end]),
                 self._joined(self.values, host_v, self.values[:, :, sink:tail_end]))
 
-    def _joined(self, window: torch.Tensor, blocks: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        """[window's sink | blocks [B, j, H, T, D] in order | tail] -> [B, H, m, D], one copy of each."""
-        b, j, h, t_block, d = blocks.shape
-        sink = self.sink_blocks * t_block
-        out = torch.empty((b, h, sink + j * t_block + tail.shape[2], d), dtype=window.dtype, device=window.device)
+    def _joined(self, window: torch.Tensor, units: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+        """[window's sink | units [B, j, H, u, D] in order (blocks or pages) | tail] -> [B, H, m, D], one
+        copy of each."""
+        b, j, h, unit, d = units.shape
+        sink = self.sink_blocks * self.block_tokens
+        out = torch.empty((b, h, sink + j * unit + tail.shape[2], d), dtype=window.dtype, device=window.device)
         out[:, :, :sink] = window[:, :, :sink]
-        out[:, :, sink:sink + j * t_block].unflatten(2, (j, t_block)).copy_(blocks.transpose(1, 2))
-        out[:, :, sink + j * t_block:] = tail
+        out[:, :, sink:sink + j * unit].unflatten(2, (j, unit)).copy_(units.transpose(1, 2))
+        out[:, :, sink + j * unit:] = tail
         return out
 
     def _count(self, num_bytes: int, decode: bool, seconds: float) -> None:

@@ -38,16 +38,17 @@ def test_smollm2_window_host_and_step_bytes():
     assert o.window_bytes_per_gpu == 8 * 1024 * SMOL_TOKEN
     assert o.host_kv_capacity_bytes == 0.8 * 2 * TIB and o.fits_host
     # exact: every off-device byte of the 8 requests, every step; fetch area = 2 layers of it
-    assert o.exact.fetched_blocks_per_request == 28
+    assert (o.exact.fetched_tokens_per_request, o.exact.fetch_unit_tokens) == (7168, 256)  # 28 blocks
     assert o.exact.link_bytes_per_step == 1_321_205_760
     assert o.exact.fetch_area_bytes_per_gpu == 2 * 8 * 7168 * SMOL_TOKEN / 30 == 88_080_384
     assert o.exact.summary_bytes_per_gpu == 0
-    # sparse 1/8: floor(28 / 8) = 3 blocks (a cap, as the engine's); Quest min/max = 2 x 64 fp16 values per
-    # block, layer and KV head
-    assert o.sparse.name == "sparse 1/8" and o.sparse.fetched_blocks_per_request == 3
-    assert o.sparse.link_bytes_per_step == 8 * 3 * 256 * SMOL_TOKEN == 141_557_760
-    assert o.sparse.summary_bytes_per_gpu == 8 * 28 * 30 * 3 * 2 * 64 * 2 == 5_160_960
-    assert o.sparse.fetch_area_bytes_per_gpu == 2 * 8 * 3 * 256 * SMOL_TOKEN / 30
+    # sparse 1/8 over 32-token pages (the engine's default): 28 blocks = 224 pages, floor(224 / 8) = 28 pages
+    # (a cap, as the engine's); Quest min/max = 2 x 64 fp16 values per page, layer and KV head
+    assert o.page_tokens == 32 and o.sparse.name == "sparse 1/8"
+    assert (o.sparse.fetched_tokens_per_request, o.sparse.fetch_unit_tokens) == (28 * 32, 32)
+    assert o.sparse.link_bytes_per_step == 8 * 28 * 32 * SMOL_TOKEN == 165_150_720
+    assert o.sparse.summary_bytes_per_gpu == 8 * 224 * 30 * 3 * 2 * 64 * 2 == 41_287_680
+    assert o.sparse.fetch_area_bytes_per_gpu == 2 * 8 * 28 * 32 * SMOL_TOKEN / 30
     assert o.exact.fits_device and o.sparse.fits_device
 
 
@@ -58,11 +59,11 @@ def test_smollm2_decode_bounds():
     # HBM: weights, the windows, and each fetched byte twice (written into the fetch area, then read)
     assert o.exact.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 2 * 7168 * SMOL_TOKEN)
     assert o.exact.hbm_tokens_per_s == hbm / o.exact.hbm_bytes_per_step
-    assert o.sparse.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 28 * 30 * 3 * 2 * 64 * 2
-                                                                + 2 * 768 * SMOL_TOKEN)
+    assert o.sparse.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 224 * 30 * 3 * 2 * 64 * 2
+                                                                + 2 * 896 * SMOL_TOKEN)
     for name, link in LINKS.items():
         assert o.exact.tokens_per_s_by_link[name] == min(o.exact.hbm_tokens_per_s, link.bytes_s / 1_321_205_760)
-        assert o.sparse.tokens_per_s_by_link[name] == min(o.sparse.hbm_tokens_per_s, link.bytes_s / 141_557_760)
+        assert o.sparse.tokens_per_s_by_link[name] == min(o.sparse.hbm_tokens_per_s, link.bytes_s / 165_150_720)
     assert o.exact.tokens_per_s_by_link["pcie5-x16"] == 64e9 / 1_321_205_760  # the link binds
     # buy GPUs: the existing sizing's cluster, one request per replica here
     assert (o.all_on_device_gpus, o.gpus_to_buy) == (r.gpus, r.gpus - 1) == (8, 7)
@@ -76,11 +77,11 @@ def test_llama_3_70b_tp8_exact_bytes():
     assert o.host_bytes_per_request == 8 * 130048 * LLAMA70_TOKEN_RANK == 42_614_128_640
     assert o.host_bytes_total == 32 * 42_614_128_640 and o.fits_host  # 1.24 TiB of 1.6 TiB
     assert o.exact.link_bytes_per_step == 32 * 130048 * LLAMA70_TOKEN_RANK == 170_456_514_560  # per GPU
-    assert o.sparse.fetched_blocks_per_request == 63  # floor(508 / 8)
-    assert o.sparse.link_bytes_per_step == 32 * 63 * 256 * LLAMA70_TOKEN_RANK == 21_139_292_160
-    assert o.sparse.summary_bytes_per_gpu == 32 * 508 * 80 * 1 * 2 * 128 * 2 == 665_845_760
+    assert o.sparse.fetched_tokens_per_request == 508 * 32  # floor(508 x 8 pages / 8) pages of 32
+    assert o.sparse.link_bytes_per_step == 32 * 508 * 32 * LLAMA70_TOKEN_RANK == 21_307_064_320
+    assert o.sparse.summary_bytes_per_gpu == 32 * 508 * 8 * 80 * 1 * 2 * 128 * 2 == 5_326_766_080
     assert o.exact.tokens_per_s_by_link["pcie5-x16"] == 64e9 / 170_456_514_560
-    assert o.sparse.tokens_per_s_by_link["rdma-400g"] == 50e9 / 21_139_292_160
+    assert o.sparse.tokens_per_s_by_link["rdma-400g"] == 50e9 / 21_307_064_320
     assert o.exact.fits_device and o.sparse.fits_device
     assert (o.all_on_device_gpus, o.gpus_to_buy) == (32, 24)
 
@@ -95,7 +96,7 @@ def test_sliding_layers_stay_on_the_device():
     global_token = 2 * 8 * 256 * 2 * 21  # only the 21 global layers offload
     assert o.host_bytes_per_request == 7168 * global_token
     assert o.window_bytes_per_gpu == 64 * (r.kv_bytes_per_request - 7168 * global_token)
-    assert o.sparse.summary_bytes_per_gpu == 64 * 28 * 21 * 8 * 2 * 256 * 2
+    assert o.sparse.summary_bytes_per_gpu == 64 * 28 * 8 * 21 * 8 * 2 * 256 * 2  # 8 pages a block
     assert any("21 full-attention layers offload" in note for note in o.notes)
 
 
@@ -103,7 +104,7 @@ def test_mla_summary_is_over_the_latent():
     r = plan("deepseek-v3", "h200", context=131072, concurrency=64, tp=16)
     o = r.offload
     assert o.host_bytes_per_request == 16 * 130048 * 61 * 576 * 2  # replicated on each rank
-    assert o.sparse.summary_bytes_per_gpu == 64 * 508 * 61 * 2 * 576 * 2
+    assert o.sparse.summary_bytes_per_gpu == 64 * 508 * 8 * 61 * 2 * 576 * 2
 
 
 def test_window_and_block_options():
@@ -123,10 +124,11 @@ def test_open_block_is_in_the_window():
 
 
 def test_sparse_budget_counts_the_fraction_meant():
-    # 0.1 x 30 is 3.0000000000000004 in floats: still 3 blocks
+    # 0.1 x 30 is 3.0000000000000004 in floats: still 3 blocks (a page the size of the block: whole blocks)
     o = plan("smollm2", with_memory(gpu_spec("h100"), 2 * 10**9), context=34 * 256, concurrency=8,
-             offload=OffloadOptions(sparse_fraction=0.1)).offload
-    assert o.off_device_blocks_per_request == 30 and o.sparse.fetched_blocks_per_request == 3
+             offload=OffloadOptions(sparse_fraction=0.1, page_tokens=1024)).offload
+    assert o.off_device_blocks_per_request == 30 and o.page_tokens == 256
+    assert o.sparse.fetched_tokens_per_request == 3 * 256 and o.sparse.summary_bytes_per_gpu == 8 * 30 * 30 * 3 * 2 * 64 * 2
     assert o.sparse.name == "sparse 1/10"
 
 
@@ -151,6 +153,7 @@ def test_parse_fraction(text, value):
 @pytest.mark.parametrize("kwargs,message", [
     ({"sparse_fraction": 0.0}, "--sparse-fraction"), ({"sparse_fraction": 1.5}, "--sparse-fraction"),
     ({"block_tokens": 0}, "--block-tokens"), ({"window_tokens": 256}, "at least 2 blocks"),
+    ({"page_tokens": 0}, "--page-tokens must be a positive"), ({"page_tokens": 48}, "must divide --block-tokens"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(UserError, match=message):
@@ -170,7 +173,7 @@ def test_cli_json_offload(capsys):
     o = out["offload"]
     assert o["window_blocks"] == 8 and o["off_device_tokens_per_request"] == 6144
     assert o["host_bytes_per_request"] == 6144 * SMOL_TOKEN
-    assert o["sparse"]["name"] == "sparse 1/16" and o["sparse"]["fetched_blocks_per_request"] == 1  # floor(24 / 16)
+    assert o["sparse"]["name"] == "sparse 1/16" and o["sparse"]["fetched_tokens_per_request"] == 12 * 32  # 192 pages / 16
     assert o["exact"]["link_bytes_per_step"] == 8 * 6144 * SMOL_TOKEN
     fits = json.loads(_run(capsys, "--model", "smollm2", "--json"))
     assert fits["fits"] and fits["offload"] is None
@@ -178,7 +181,7 @@ def test_cli_json_offload(capsys):
 
 def test_cli_table_offload(capsys):
     out = _run(capsys, "--model", "smollm2", "--gpu-mem", "2GB", "--context", "8k", "--concurrency", "8")
-    for text in ("offload", "exact", "sparse 1/8", "pcie5-x16", "cxl3-x16", "rdma-400g", "host bytes",
+    for text in ("offload", "exact", "sparse 1/8", "7,168 (28 blocks of 256)", "896 (28 pages of 32)", "pcie5-x16", "cxl3-x16", "rdma-400g", "host bytes",
                  "buy 7 more GPUs (8 in all)"):
         assert text in out
 
@@ -187,6 +190,7 @@ def test_cli_table_offload(capsys):
     (["--sparse-fraction", "lots"], "cannot parse fraction"),
     (["--sparse-fraction", "1/0"], "cannot parse fraction"),
     (["--offload-window-tokens", "100"], "at least 2 blocks"),
+    (["--page-tokens", "48"], "--page-tokens (48) must divide --block-tokens (256)"),
 ])
 def test_cli_bad_offload_input(args, message, capsys):
     with pytest.raises(SystemExit) as exc:

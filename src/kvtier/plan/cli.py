@@ -7,6 +7,7 @@ import sys
 
 import typer
 
+from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS
 from kvtier.errors import UserError
 
 
@@ -28,9 +29,11 @@ def register(app: typer.Typer) -> None:
         offload_window_tokens: str = typer.Option(None, help="offload: tokens per request kept on the device "
                                                   "(sink block + recent window), e.g. 2k; default 1,024 "
                                                   "at 256-token blocks"),
-        sparse_fraction: str = typer.Option("1/8", help="offload: share of off-device blocks sparse mode fetches, "
+        sparse_fraction: str = typer.Option("1/8", help="offload: share of off-device pages sparse mode fetches, "
                                                         "e.g. 1/8 or 0.125"),
         block_tokens: int = typer.Option(256, help="offload: tokens per KV block"),
+        page_tokens: int = typer.Option(DEFAULT_OFFLOAD_PAGE_TOKENS, help="offload: tokens per page sparse mode "
+                                        "scores and fetches (divides --block-tokens; more: the block)"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON object"),
         plot_path: str = typer.Option(None, "--plot", help="write memory vs context length to this PNG"),
     ) -> None:
@@ -50,7 +53,8 @@ def register(app: typer.Typer) -> None:
                       ttft_target_s=ttft_target, host_mem_bytes_per_node=parse_bytes(host_mem),
                       offload=OffloadOptions(
                           window_tokens=None if offload_window_tokens is None else parse_count(offload_window_tokens),
-                          block_tokens=block_tokens, sparse_fraction=parse_fraction(sparse_fraction)))
+                          block_tokens=block_tokens, sparse_fraction=parse_fraction(sparse_fraction),
+                          page_tokens=page_tokens))
         if plot_path:
             _plot(spec, result, plot_path)
         if json_out:

@@ -4,9 +4,10 @@ Per request the device keeps a window of whole blocks: the attention sinks (thei
 window (the open block included). Every other block lives off the device (host DRAM, a CXL expander, a pool).
 - exact: every off-device block crosses the link at every decode step, layer by layer (layer l+1's copy
   overlapping layer l's compute): a step moves all off-device KV of every request on the GPU.
-- sparse (Quest): a per-block key summary on the device, per-channel min and max (2 x d_head 16-bit values per
-  block, layer and KV head), picks floor(fraction x off-device blocks) (at least one) blocks per layer and KV head; only those
-  cross the link. The summaries never cross it: they are read from HBM at every step.
+- sparse (Quest): a block is pages of `page_tokens` (the engine's `offload_page_tokens`; the block when that is
+  the block size); a per-page key summary on the device, per-channel min and max (2 x d_head 16-bit values per
+  page, layer and KV head), picks floor(fraction x off-device pages) (at least one) pages per layer and KV head;
+  only those cross the link. The summaries never cross it: they are read from HBM at every step.
 Fetch area: one layer of what a step fetches for all requests of the GPU, double-buffered.
 Decode: a step yields one token per request and lasts at least max(link bytes / link bandwidth,
 HBM bytes / HBM bandwidth), copy and compute overlapping; both are nominal peaks, so these are upper bounds.
@@ -21,6 +22,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
+from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, sparse_page_tokens
 from kvtier.errors import UserError
 from kvtier.plan.catalog_links import LINKS
 from kvtier.plan.specs import GPUSpec, ModelSpec
@@ -36,11 +38,13 @@ DEFAULT_SPARSE_FRACTION = 1 / 8
 
 @dataclass(frozen=True, slots=True)
 class OffloadOptions:
-    """The device window and the sparse budget. `window_tokens` None: the sink block + RECENT_TOKENS."""
+    """The device window and the sparse budget. `window_tokens` None: the sink block + RECENT_TOKENS.
+    `page_tokens`: sparse's unit (divides the block; more than the block: the block)."""
 
     window_tokens: int | None = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     sparse_fraction: float = DEFAULT_SPARSE_FRACTION
+    page_tokens: int = DEFAULT_OFFLOAD_PAGE_TOKENS
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_tokens, int) or self.block_tokens <= 0:
@@ -50,6 +54,16 @@ class OffloadOptions:
                             f"block): {2 * self.block_tokens} tokens, got {self.window_tokens}")
         if not 0 < self.sparse_fraction <= 1:
             raise UserError(f"--sparse-fraction must be in (0, 1], got {self.sparse_fraction}")
+        if not isinstance(self.page_tokens, int) or self.page_tokens <= 0:
+            raise UserError(f"--page-tokens must be a positive integer, got {self.page_tokens!r}")
+        if self.block_tokens % min(self.page_tokens, self.block_tokens):
+            raise UserError(f"--page-tokens ({self.page_tokens}) must divide --block-tokens ({self.block_tokens}): "
+                            "a block is a whole number of pages")
+
+    @property
+    def page(self) -> int:
+        """Tokens per page sparse fetches (at most a block)."""
+        return sparse_page_tokens(self.page_tokens, self.block_tokens)
 
     @property
     def window_blocks(self) -> int:
@@ -71,7 +85,8 @@ class OffloadMode:
     """One mode's costs. Bytes per GPU (one TP rank, all requests of the replica); tokens/s per request."""
 
     name: str
-    fetched_blocks_per_request: int   # per layer and KV head, per decode step
+    fetched_tokens_per_request: int   # per layer and KV head, per decode step
+    fetch_unit_tokens: int            # ... in units of this many tokens (exact: blocks; sparse: pages)
     link_bytes_per_step: float        # what crosses the link at each decode step
     summary_bytes_per_gpu: float      # Quest min/max kept on the device (sparse only)
     fetch_area_bytes_per_gpu: float
@@ -85,6 +100,7 @@ class OffloadMode:
 @dataclass(slots=True)
 class OffloadPlan:
     block_tokens: int
+    page_tokens: int                       # sparse's unit
     window_blocks: int
     device_tokens_per_request: int
     off_device_tokens_per_request: int     # whole blocks
@@ -110,16 +126,16 @@ def _full_layers(model: ModelSpec) -> ModelSpec:
                    sliding_window=None)
 
 
-def _summary_bytes(model: ModelSpec, tp: int, num_blocks: int) -> float:
-    """Quest: per-channel min and max of each block's keys = 2 x d_head values per block, layer and KV head
+def _summary_bytes(model: ModelSpec, tp: int, num_pages: int) -> float:
+    """Quest: per-channel min and max of each page's keys = 2 x d_head values per page, layer and KV head
     (MLA: of the latent and the rope key, one 'head')."""
     keys_per_token = (model.mla_kv_lora_rank + model.mla_rope_dim if model.is_mla
                       else model.kv_heads_per_rank(tp) * model.head_dim)
-    return num_blocks * _full_layers(model).num_layers * 2 * keys_per_token * SUMMARY_ELEMENT_BYTES
+    return num_pages * _full_layers(model).num_layers * 2 * keys_per_token * SUMMARY_ELEMENT_BYTES
 
 
 def _mode(name: str, result: PlanResult, model: ModelSpec, gpu: GPUSpec, *, window_rank: float,
-          fetched_blocks: int, fetched_rank: float, summary_rank: float) -> OffloadMode:
+          fetched_tokens: int, unit_tokens: int, fetched_rank: float, summary_rank: float) -> OffloadMode:
     """Costs of a mode that fetches `fetched_rank` bytes (one request, one rank) at every step."""
     n, layers = result.concurrency, _full_layers(model).num_layers
     fetch_area = 2 * n * fetched_rank / layers if layers else 0.0
@@ -131,7 +147,8 @@ def _mode(name: str, result: PlanResult, model: ModelSpec, gpu: GPUSpec, *, wind
     hbm_tps = gpu.hbm_bandwidth_bytes_s / hbm_bytes
     by_link = {link.name: min(hbm_tps, link.bytes_s / link_bytes) if link_bytes else hbm_tps
                for link in LINKS.values()}
-    return OffloadMode(name=name, fetched_blocks_per_request=fetched_blocks, link_bytes_per_step=link_bytes,
+    return OffloadMode(name=name, fetched_tokens_per_request=fetched_tokens, fetch_unit_tokens=unit_tokens,
+                       link_bytes_per_step=link_bytes,
                        summary_bytes_per_gpu=n * summary_rank, fetch_area_bytes_per_gpu=fetch_area,
                        device_bytes_per_gpu=device, fits_device=device <= result.usable_bytes,
                        hbm_bytes_per_step=hbm_bytes, hbm_tokens_per_s=hbm_tps, tokens_per_s_by_link=by_link)
@@ -157,18 +174,20 @@ def plan_offload(result: PlanResult, model: ModelSpec, gpu: GPUSpec, options: Of
     host_rank = full.kv_bytes(off_tokens, kv_dtype, tp)
     kv_rank = model.kv_bytes(result.context, kv_dtype, tp)
     window_rank = kv_rank - host_rank
+    page = options.page
+    off_pages = off_blocks * (t // page)
     # 0.1 x 30 is 3.0000000000000004 in floats: count in the fraction the user meant
-    # a cap, as the engine's `OffloadMode.num_fetched`: rounded down, at least one block
-    sparse_blocks = max(1, math.floor(Fraction(options.sparse_fraction).limit_denominator(1 << 20) * off_blocks))
-    exact = _mode("exact", result, model, gpu, window_rank=window_rank, fetched_blocks=off_blocks,
+    # a cap, as the engine's `OffloadMode.num_fetched`: rounded down, at least one page
+    sparse_pages = max(1, math.floor(Fraction(options.sparse_fraction).limit_denominator(1 << 20) * off_pages))
+    exact = _mode("exact", result, model, gpu, window_rank=window_rank, fetched_tokens=off_tokens, unit_tokens=t,
                   fetched_rank=host_rank, summary_rank=0.0)
     sparse = _mode(f"sparse {_fraction_label(options.sparse_fraction)}", result, model, gpu,
-                   window_rank=window_rank, fetched_blocks=sparse_blocks,
-                   fetched_rank=full.kv_bytes(sparse_blocks * t, kv_dtype, tp),
-                   summary_rank=_summary_bytes(model, tp, off_blocks))
+                   window_rank=window_rank, fetched_tokens=sparse_pages * page, unit_tokens=page,
+                   fetched_rank=full.kv_bytes(sparse_pages * page, kv_dtype, tp),
+                   summary_rank=_summary_bytes(model, tp, off_pages))
     host_total = host_rank * tp * result.concurrency
     return OffloadPlan(
-        block_tokens=t, window_blocks=options.window_blocks, device_tokens_per_request=result.context - off_tokens,
+        block_tokens=t, page_tokens=page, window_blocks=options.window_blocks, device_tokens_per_request=result.context - off_tokens,
         off_device_tokens_per_request=off_tokens, off_device_blocks_per_request=off_blocks,
         sparse_fraction=options.sparse_fraction, host_bytes_per_request=host_rank * tp, host_bytes_total=host_total,
         window_bytes_per_gpu=result.concurrency * window_rank, host_kv_capacity_bytes=host_kv_capacity_bytes,

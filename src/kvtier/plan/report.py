@@ -57,6 +57,12 @@ def _device_sum(m: OffloadMode, o: OffloadPlan) -> str:
             f"(fits: {_yes_no(m.fits_device)})")
 
 
+def _fetched(m: OffloadMode) -> str:
+    units = m.fetched_tokens_per_request // m.fetch_unit_tokens if m.fetch_unit_tokens else 0
+    what = "blocks" if m.name == "exact" else "pages"
+    return f"{m.fetched_tokens_per_request:,} ({units:,} {what} of {m.fetch_unit_tokens})"
+
+
 def _tokens_s(per_request: float, concurrency: int) -> str:
     return f"{per_request:,.2f} tok/s per request, {per_request * concurrency:,.0f} for all {concurrency}"
 
@@ -75,8 +81,7 @@ def _shared_lines(r: PlanResult) -> list[str]:
 def _offload_rows(r: PlanResult) -> list[tuple[str, str, str]]:
     o = r.offload
     rows = [
-        ("blocks fetched per request, layer and KV head",
-         *_per_mode(o, lambda m: f"{m.fetched_blocks_per_request:,}")),
+        ("tokens fetched per request, layer and KV head, per decode step", *_per_mode(o, _fetched)),
         ("per GPU on the device", *_per_mode(o, lambda m: _device_sum(m, o))),
         ("bytes over the link per decode step, per GPU", *_per_mode(o, lambda m: gib_and_gb(m.link_bytes_per_step))),
         ("decode bound, HBM alone", *_per_mode(o, lambda m: _tokens_s(m.hbm_tokens_per_s, r.concurrency))),
