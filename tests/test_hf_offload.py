@@ -117,7 +117,7 @@ def test_sparse_pages_return_each_heads_pages_and_count_their_summaries(tiny_mod
     for num_tokens, returned in lengths:
         assert returned == SINK * BLOCK + 3 * 2 + num_tokens - (SINK + host_blocks(num_tokens)) * BLOCK
     num_tokens = len(prompt) + NEW - 1
-    assert cache.summary_bytes == host_blocks(num_tokens) * (BLOCK // 2) * KV_HEADS * 2 * HEAD_DIM * 4 * LAYERS
+    assert cache.summary_bytes == host_blocks(num_tokens) * (BLOCK // 2) * KV_HEADS * 3 * HEAD_DIM * 4 * LAYERS
     assert cache.fetched_bytes_per_token == 3 * 2 * TOKEN_BYTES * LAYERS
 
 
@@ -175,7 +175,7 @@ def test_device_and_host_bytes_are_the_windows(tiny_model, prompt, monkeypatch):
     assert cache.resident_bytes == window_bytes == sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)
     assert all(l.keys.device.type == "cpu" and l.keys.shape[2] == (SINK + RECENT) * BLOCK for l in cache.layers)
     assert cache.offloaded_bytes == host_blocks(num_tokens) * BLOCK * TOKEN_BYTES * LAYERS
-    assert cache.summary_bytes == host_blocks(num_tokens) * KV_HEADS * 2 * HEAD_DIM * 4 * LAYERS
+    assert cache.summary_bytes == host_blocks(num_tokens) * KV_HEADS * 3 * HEAD_DIM * 4 * LAYERS  # min, max, mean
     # bytes per decode token: 2 blocks per layer and KV head, K + V — the same as one returned tensor pair
     assert cache.fetched_bytes_per_token == 2 * BLOCK * TOKEN_BYTES * LAYERS
     assert cache.fetched_bytes == (NEW - 1) * 2 * BLOCK * TOKEN_BYTES * LAYERS  # the prefill fetched nothing

@@ -14,7 +14,7 @@ Four things over `DynamicCache`:
 - contexts larger than the device (issue 18, `kv_offload`, the layers of `hf_offload`): each layer
   keeps `offload_sink_blocks` + `offload_recent_blocks` blocks on the device and its middle blocks in
   (pinned) host memory; `exact` attends to all of them (token-identical to `DynamicCache`), `sparse:BUDGET`
-  at a decode step to the top pages (`offload_page_tokens`) of each KV head by Quest's bound, picked by the
+  at a decode step to the top pages (`offload_page_tokens`) of each KV head by their key summaries, picked by the
   engine's functions;
 - optionally quantized resident KV (`resident_codec`: fp8, int8, KIVI int4/int2, the layers of
   `levers.quantized_cache` with their full-precision residual), whose blocks go to the tiers as
@@ -263,7 +263,7 @@ class TieredCache(Cache):
 
     @property
     def summary_bytes(self) -> int:
-        """Quest's per-page key min/max on the device (sparse), apart from the KV."""
+        """The per-page key min/max/mean on the device (sparse), apart from the KV."""
         return sum(layer.summary_bytes() for layer in self._offload_layers())
 
     @property

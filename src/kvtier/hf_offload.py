@@ -14,7 +14,7 @@ rule: with n tokens in the context, logical blocks [sink, max(sink, ceil(n / T) 
   (`stage`) while this layer computes.
 - `sparse:BUDGET`: a one-token update (a decode step) scores the host *pages* (`page_tokens` tokens of a
   block, the engine's `offload_page_tokens`; the block when that is the block size) for each KV head with
-  the step's query — Quest's per-channel key min/max per page (`page_summary`, kept on the device),
+  the step's query — per-channel key min/max (Quest) and mean per page (`page_summary`, on the device),
   `select_pages`: the engine's functions, imported, so the pick is the engine's — and returns [B, H, m, D]:
   the sink, each head's top `OffloadMode.num_fetched(n)` of its n host pages in context order (a head's K
   and V of a page are P x D contiguous in the host block: one copy each), the recent window. Each KV head
@@ -38,14 +38,14 @@ from functools import partial
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtier.config import OffloadMode, sparse_page_tokens
+from kvtier.config import PAGE_SUMMARY_VECTORS, OffloadMode, sparse_page_tokens
 from kvtier.engine.offload import page_summary, select_pages
 
 
 class OffloadLayer(CacheLayerMixin):
     """One layer: `keys`/`values` are the device window [B, H, (sink + recent) T, D] — tokens [0, sink T),
     then the tail, tokens [(sink + num_host_blocks) T, num_tokens) — and `_host_k`/`_host_v`
-    [B, capacity, H, T, D] the host blocks; `_summaries` [capacity, T / P, H, 2, D] their pages' key min/max
+    [B, capacity, H, T, D] the host blocks; `_summaries` [capacity, T / P, H, 3, D] their pages' key min/max/mean
     (sparse, pages of P = `page_tokens`)."""
 
     is_sliding = False
@@ -213,7 +213,8 @@ class OffloadLayer(CacheLayerMixin):
             host_v[:, :n].copy_(self._host_v[:, :n])
         self._host_k, self._host_v = host_k, host_v
         if self.mode.kind == "sparse":
-            summaries = torch.empty((num_blocks, self.pages_per_block, h, 2, d), dtype=self.dtype, device=self.device)
+            summaries = torch.empty((num_blocks, self.pages_per_block, h, PAGE_SUMMARY_VECTORS, d), dtype=self.dtype,
+                                    device=self.device)
             if n:
                 summaries[:n] = self._summaries[:n]
             self._summaries = summaries

@@ -121,8 +121,8 @@ def test_sparse_with_every_page_in_budget_is_exact(loaded, long_prompts, loaded_
     engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
     outputs = drain(engine)["a"]
     assert [t for o in outputs for t in o.new_token_ids] == loaded_refs[2]
-    layout = engine.layout  # summaries: 2 x D fp32 values per layer, page and KV head of every block
-    per_block = layout.num_layers * (BLOCK // page_tokens) * layout.num_kv_heads * 2 * layout.head_dim * 4
+    layout = engine.layout  # summaries: 3 x D fp32 values (key min, max, mean) per layer, page and KV head of every block
+    per_block = layout.num_layers * (BLOCK // page_tokens) * layout.num_kv_heads * 3 * layout.head_dim * 4
     assert outputs[-1].offload.summary_bytes == -(-(len(long_prompts[2]) + NEW) // BLOCK) * per_block
     engine.close()
     manager.close()
@@ -335,14 +335,34 @@ def test_page_selection_with_block_sized_pages_is_the_block_selection():
     n, l, h, g, t, d = 9, 2, 3, 2, 8, 16
     k_blocks = torch.randn(n, l, h, t, d, generator=gen)
     q = torch.randn(h, g, d, generator=gen)
-    summaries = torch.stack([page_summary(k, t) for k in k_blocks])  # [n, L, 1, H, 2, D]
-    assert summaries.shape == (n, l, 1, h, 2, d)
+    summaries = torch.stack([page_summary(k, t) for k in k_blocks])  # [n, L, 1, H, 3, D]
+    assert summaries.shape == (n, l, 1, h, 3, d)
     for layer in range(l):
-        # the block summary as it was: per-channel min and max over the block's tokens
-        old = torch.stack([k_blocks[:, layer].amin(dim=2), k_blocks[:, layer].amax(dim=2)], dim=2)  # [n, H, 2, D]
-        assert torch.equal(summaries[:, layer, 0], old) and torch.equal(block_summary(k_blocks[:, layer]), old)
+        # the block summary: per-channel min, max and mean over the block's tokens
+        kb = k_blocks[:, layer]
+        old = torch.stack([kb.amin(dim=2), kb.amax(dim=2), kb.mean(dim=2)], dim=2)  # [n, H, 3, D]
+        assert torch.equal(summaries[:, layer, 0], old) and torch.equal(block_summary(kb), old)
         for k in (1, 3, 9):
             assert torch.equal(select_pages(summaries[:, layer], q, k), select_blocks(quest_scores(old, q), k))
+
+
+def test_page_scores_are_half_quests_bound_half_the_mean_key():
+    """The score of a page for a KV head: the largest over its query heads of BOUND_WEIGHT x Quest's bound
+    (sum over channels of max(q min, q max): no key of the page scores more) + the rest x q . mean key."""
+    gen = torch.Generator().manual_seed(2)
+    n, h, g, t, d = 5, 2, 3, 8, 4
+    keys = torch.randn(n, h, t, d, generator=gen)
+    q = torch.randn(h, g, d, generator=gen)
+    summary = block_summary(keys[None].transpose(0, 1).reshape(n, h, t, d))  # [n, H, 3, D]
+    bound = quest_scores(summary, q, bound_weight=1.0)
+    dots = torch.einsum("hgd,nhtd->nhgt", q, keys)  # every key's q.k
+    assert (dots.amax(-1).amax(-1) <= bound + 1e-5).all()  # an upper bound
+    mean = quest_scores(summary, q, bound_weight=0.0)
+    assert torch.allclose(mean, dots.mean(-1).amax(-1), atol=1e-5)  # q . mean key = the mean score
+    for h_ in range(h):  # the max over the group is taken of the blend, not of each part
+        blend = (0.5 * torch.maximum(q[h_][None] * summary[:, h_, None, 0], q[h_][None] * summary[:, h_, None, 1]).sum(-1)
+                 + 0.5 * (q[h_][None] * summary[:, h_, None, 2]).sum(-1)).amax(-1)
+        assert torch.allclose(quest_scores(summary, q)[:, h_], blend)
 
 
 def test_page_selection_picks_pages_inside_blocks():
@@ -351,7 +371,7 @@ def test_page_selection_picks_pages_inside_blocks():
     k_block = torch.zeros(1, 2, 4, 3)  # [L, H, T, D]
     k_block[0, 0, 3, 0] = 5.0  # head 0: page 1 (tokens 2-3) matches q
     k_block[0, 1, 0, 1] = 5.0  # head 1: page 0
-    summaries = torch.cat([torch.zeros(1, 2, 2, 2, 3), page_summary(k_block, 2)])  # 2 blocks: [2, pages, H, 2, D]
+    summaries = torch.cat([torch.zeros(1, 2, 2, 3, 3), page_summary(k_block, 2)])  # 2 blocks: [2, pages, H, 3, D]
     assert summaries[1, 1, 0, 1, 0] == 5.0 and summaries[1, 0, 0, 1, 0] == 0.0
     q = torch.tensor([1.0, 1.0, 0.0]).expand(2, 1, 3)
     assert select_pages(summaries, q, 1).tolist() == [[3, 2]]
@@ -450,7 +470,7 @@ def pages_of(host: torch.Tensor, layer: int, slots: torch.Tensor, pages: torch.T
 ])
 def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_blocks, page_tokens):
     """A decode step of an offloaded sequence, layer by layer: == softmax(q k^T) v over the blocks it
-    reads (all, or each KV head's Quest pick of pages) and its device window, computed on the CPU from the host."""
+    reads (all, or each KV head's pick of pages) and its device window, computed on the CPU from the host."""
     g, m, scale = 3, 6, 0.3  # query heads per KV head, device window tokens
     host = host_slots(10, device, seed=5)
     slots = torch.tensor([6, 1, 8, 3, 9])  # the sequence's host blocks, in context order
@@ -459,7 +479,7 @@ def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_b
     k_dev, v_dev = torch.randn(2, L, H, m, D, generator=gen)
     on = torch.device(device)
     summaries = torch.stack([page_summary(host[s, :, 0], page_tokens) for s in slots.tolist()]).to(on)
-    assert summaries.shape == (len(slots), L, T // page_tokens, H, 2, D)
+    assert summaries.shape == (len(slots), L, T // page_tokens, H, 3, D)
     num_host = len(slots) * T
     off = SeqOffload(parse_offload(mode), slots, summaries, torch.tensor([num_host + m - 1], device=on),
                      torch.arange(num_host, num_host + m, device=on), True, OffloadStats())

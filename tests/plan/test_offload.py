@@ -43,11 +43,11 @@ def test_smollm2_window_host_and_step_bytes():
     assert o.exact.fetch_area_bytes_per_gpu == 2 * 8 * 7168 * SMOL_TOKEN / 30 == 88_080_384
     assert o.exact.summary_bytes_per_gpu == 0
     # sparse 1/8 over 32-token pages (the engine's default): 28 blocks = 224 pages, floor(224 / 8) = 28 pages
-    # (a cap, as the engine's); Quest min/max = 2 x 64 fp16 values per page, layer and KV head
+    # (a cap, as the engine's); key min/max/mean = 3 x 64 fp16 values per page, layer and KV head
     assert o.page_tokens == 32 and o.sparse.name == "sparse 1/8"
     assert (o.sparse.fetched_tokens_per_request, o.sparse.fetch_unit_tokens) == (28 * 32, 32)
     assert o.sparse.link_bytes_per_step == 8 * 28 * 32 * SMOL_TOKEN == 165_150_720
-    assert o.sparse.summary_bytes_per_gpu == 8 * 224 * 30 * 3 * 2 * 64 * 2 == 41_287_680
+    assert o.sparse.summary_bytes_per_gpu == 8 * 224 * 30 * 3 * 3 * 64 * 2 == 61_931_520
     assert o.sparse.fetch_area_bytes_per_gpu == 2 * 8 * 28 * 32 * SMOL_TOKEN / 30
     assert o.exact.fits_device and o.sparse.fits_device
 
@@ -59,7 +59,7 @@ def test_smollm2_decode_bounds():
     # HBM: weights, the windows, and each fetched byte twice (written into the fetch area, then read)
     assert o.exact.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 2 * 7168 * SMOL_TOKEN)
     assert o.exact.hbm_tokens_per_s == hbm / o.exact.hbm_bytes_per_step
-    assert o.sparse.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 224 * 30 * 3 * 2 * 64 * 2
+    assert o.sparse.hbm_bytes_per_step == active_weights + 8 * (1024 * SMOL_TOKEN + 224 * 30 * 3 * 3 * 64 * 2
                                                                 + 2 * 896 * SMOL_TOKEN)
     for name, link in LINKS.items():
         assert o.exact.tokens_per_s_by_link[name] == min(o.exact.hbm_tokens_per_s, link.bytes_s / 1_321_205_760)
@@ -79,7 +79,7 @@ def test_llama_3_70b_tp8_exact_bytes():
     assert o.exact.link_bytes_per_step == 32 * 130048 * LLAMA70_TOKEN_RANK == 170_456_514_560  # per GPU
     assert o.sparse.fetched_tokens_per_request == 508 * 32  # floor(508 x 8 pages / 8) pages of 32
     assert o.sparse.link_bytes_per_step == 32 * 508 * 32 * LLAMA70_TOKEN_RANK == 21_307_064_320
-    assert o.sparse.summary_bytes_per_gpu == 32 * 508 * 8 * 80 * 1 * 2 * 128 * 2 == 5_326_766_080
+    assert o.sparse.summary_bytes_per_gpu == 32 * 508 * 8 * 80 * 1 * 3 * 128 * 2 == 7_990_149_120
     assert o.exact.tokens_per_s_by_link["pcie5-x16"] == 64e9 / 170_456_514_560
     assert o.sparse.tokens_per_s_by_link["rdma-400g"] == 50e9 / 21_307_064_320
     assert o.exact.fits_device and o.sparse.fits_device
@@ -96,7 +96,7 @@ def test_sliding_layers_stay_on_the_device():
     global_token = 2 * 8 * 256 * 2 * 21  # only the 21 global layers offload
     assert o.host_bytes_per_request == 7168 * global_token
     assert o.window_bytes_per_gpu == 64 * (r.kv_bytes_per_request - 7168 * global_token)
-    assert o.sparse.summary_bytes_per_gpu == 64 * 28 * 8 * 21 * 8 * 2 * 256 * 2  # 8 pages a block
+    assert o.sparse.summary_bytes_per_gpu == 64 * 28 * 8 * 21 * 8 * 3 * 256 * 2  # 8 pages a block
     assert any("21 full-attention layers offload" in note for note in o.notes)
 
 
@@ -104,7 +104,7 @@ def test_mla_summary_is_over_the_latent():
     r = plan("deepseek-v3", "h200", context=131072, concurrency=64, tp=16)
     o = r.offload
     assert o.host_bytes_per_request == 16 * 130048 * 61 * 576 * 2  # replicated on each rank
-    assert o.sparse.summary_bytes_per_gpu == 64 * 508 * 8 * 61 * 2 * 576 * 2
+    assert o.sparse.summary_bytes_per_gpu == 64 * 508 * 8 * 61 * 3 * 576 * 2
 
 
 def test_window_and_block_options():
@@ -128,7 +128,7 @@ def test_sparse_budget_counts_the_fraction_meant():
     o = plan("smollm2", with_memory(gpu_spec("h100"), 2 * 10**9), context=34 * 256, concurrency=8,
              offload=OffloadOptions(sparse_fraction=0.1, page_tokens=1024)).offload
     assert o.off_device_blocks_per_request == 30 and o.page_tokens == 256
-    assert o.sparse.fetched_tokens_per_request == 3 * 256 and o.sparse.summary_bytes_per_gpu == 8 * 30 * 30 * 3 * 2 * 64 * 2
+    assert o.sparse.fetched_tokens_per_request == 3 * 256 and o.sparse.summary_bytes_per_gpu == 8 * 30 * 30 * 3 * 3 * 64 * 2
     assert o.sparse.name == "sparse 1/10"
 
 

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.blocks import KeySpace, key_codec
 from kvtier.codecs import get_codec
-from kvtier.config import EngineConfig
+from kvtier.config import PAGE_SUMMARY_VECTORS, EngineConfig
 from kvtier.engine.arena import make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.model_runner import ModelRunner, RunOutput
@@ -191,7 +191,8 @@ class LLMEngine:
                 num_blocks = -(-(len(prompt_token_ids) + sampling.max_tokens) // self.layout.block_tokens)
                 num_pages = self.layout.block_tokens // self.config.page_tokens  # per block
                 seq.host.summaries = torch.zeros((num_blocks, self.layout.num_layers, num_pages,
-                                                  self.layout.num_kv_heads, 2, self.layout.head_dim),
+                                                  self.layout.num_kv_heads, PAGE_SUMMARY_VECTORS,
+                                                  self.layout.head_dim),
                                                  dtype=getattr(torch, self.layout.dtype), device=self.arena.device)
                 seq.host.stats.summary_bytes = seq.host.summaries.numel() * seq.host.summaries.element_size()
             self.host_blocks_reserved += need

@@ -15,9 +15,9 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
   device window with its causal mask.
 - `sparse` (a budget in pages, or a fraction of the host pages): a host block of T tokens is T / P pages
   of P tokens (`EngineConfig.offload_page_tokens`; P = T: a page is the block). At each decode step and
-  layer, a per-page summary kept on the device (Quest: per-channel min and max of the page's keys, an
-  upper bound of q.k for any key in it) scores the host pages for each KV head (the max over its group's
-  query heads); only the top pages of each head are fetched (a head's K and V of a page are P x D
+  layer, a per-page summary kept on the device (per-channel min, max and mean of the page's keys) scores
+  the host pages for each KV head: half Quest's bound of q.k over the page (min/max: no key of it scores
+  more), half q . its mean key (`quest_scores`, `BOUND_WEIGHT`), the max over its group's query heads; only the top pages of each head are fetched (a head's K and V of a page are P x D
   contiguous in the slot: one copy each). Prefill chunks are always exact. The pick is made on the device
   and the copies are issued by the host, so on CUDA a sparse layer reads its selection back (one sync per
   layer and sequence) and copies on the compute stream: not overlapped.
@@ -86,7 +86,7 @@ class HostBlocks:
     reserved_blocks: int                  # host slots set aside for it at admission (its longest need)
     slots: list[int] = field(default_factory=list)    # the DRAM slot of each (pinned)
     keys: list[bytes] = field(default_factory=list)
-    summaries: torch.Tensor | None = None  # [capacity, L, pages, H, 2, D] key min / max per page (sparse)
+    summaries: torch.Tensor | None = None  # [capacity, L, pages, H, 3, D] key min / max / mean per page (sparse)
     stats: OffloadStats = field(default_factory=OffloadStats)
 
     def __len__(self) -> int:
@@ -99,7 +99,7 @@ class SeqOffload:
 
     mode: OffloadMode
     slots: torch.Tensor            # [n] long: the host slots of its middle blocks, in order
-    summaries: torch.Tensor | None  # [n, L, pages, H, 2, D]
+    summaries: torch.Tensor | None  # [n, L, pages, H, 3, D]
     q_positions: torch.Tensor      # [num queries] positions of this step's tokens
     key_positions: torch.Tensor    # [device context] positions of the keys `arena.gather` returns
     decode: bool                   # one query: sparse applies (prefill chunks are exact)
@@ -115,22 +115,34 @@ def window_positions(block_ids: list[int], block_tokens: int, end: int) -> list[
     return positions
 
 
+# a page's score: this much of Quest's bound, the rest the query against the page's mean key (docs/BENCHMARKS.md,
+# issue 18: over 3 windows at sparse:1/8, Quest's bound alone +2.44% ppl at 4k / +2.29% at 8k, the mean alone
+# +2.77 / +2.30%, half and half +1.93 / +0.91% — an oracle ranking pages by attention mass +1.51 / +0.98%)
+BOUND_WEIGHT = 0.5
+
+
 def page_summary(k_block: torch.Tensor, page_tokens: int) -> torch.Tensor:
-    """k_block [L, H, T, D] -> [L, T / P, H, 2, D]: per-channel min and max over each page of P tokens (Quest)."""
+    """k_block [L, H, T, D] -> [L, T / P, H, 3, D]: per-channel min, max (Quest's box) and mean over each page
+    of P tokens (`config.PAGE_SUMMARY_VECTORS` vectors)."""
     l, h, t, d = k_block.shape
     pages = k_block.reshape(l, h, t // page_tokens, page_tokens, d).transpose(1, 2)  # [L, pages, H, P, D]
-    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
+    return torch.stack([pages.amin(dim=3), pages.amax(dim=3), pages.mean(dim=3)], dim=3)
 
 
 def block_summary(k_block: torch.Tensor) -> torch.Tensor:
-    """k_block [L, H, T, D] -> [L, H, 2, D]: the summary of the block as one page."""
+    """k_block [L, H, T, D] -> [L, H, 3, D]: the summary of the block as one page."""
     return page_summary(k_block, k_block.shape[2])[:, 0]
 
 
-def quest_scores(summary: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Quest's bound of q.k over each page: summary [n, H, 2, D] (key min, max), q [H, G, D] (a KV
-    head's group of query heads, one query) -> [n, H]: for each KV head the largest bound in its group."""
+def quest_scores(summary: torch.Tensor, q: torch.Tensor, bound_weight: float = BOUND_WEIGHT) -> torch.Tensor:
+    """Each page's score: summary [n, H, 3, D] (key min, max, mean), q [H, G, D] (a KV head's group of query
+    heads, one query) -> [n, H], for each KV head the largest in its group of
+    `bound_weight` x Quest's bound of q.k over the page (the most any of its keys can score)
+    + (1 - bound_weight) x q . its mean key (what its keys score on average)."""
     bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
+    if bound_weight != 1.0:
+        mean = (q[None] * summary[:, :, None, 2]).sum(-1)
+        bound = bound_weight * bound + (1.0 - bound_weight) * mean
     return bound.amax(-1)
 
 
@@ -140,7 +152,7 @@ def select_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def select_pages(summaries: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
-    """Quest's pick over n blocks' pages: summaries [n, pages, H, 2, D] (`page_summary` of each block),
+    """The pick over n blocks' pages: summaries [n, pages, H, 3, D] (`page_summary` of each block),
     q [H, G, D] -> the k best pages of each KV head [k, H] in context order, as block * pages + page."""
     n, pages = summaries.shape[:2]
     return select_blocks(quest_scores(summaries.reshape(n * pages, *summaries.shape[2:]), q), k)
@@ -474,7 +486,7 @@ class OffloadAttention:
             yield kv[0], kv[1]
 
     def _sparse_pages(self, layer: int, q4: torch.Tensor, off: SeqOffload) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quest's pick for each KV head, in context order: the host slots [k, H] of its top pages and each
+        """The pick for each KV head (`select_pages`), in context order: the host slots [k, H] of its top pages and each
         one's page in its block [k, H]."""
         k = off.mode.num_fetched(off.slots.numel() * self.pages_per_block)
         # the host issues the copies, so it must know the pick: on CUDA this read-back waits for the layer

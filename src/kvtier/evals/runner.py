@@ -7,8 +7,8 @@ pass for the whole grid. The continuation (scored chunks, or cue + greedy answer
 method's own cache. See `perplexity` and `passkey` for the two protocols.
 
 Sparse offload (`sparse:1/8`, issue 18) keeps every token (the engine holds the middle blocks in host
-memory) and attends at each decode step to the sinks, the recent window and the top blocks by Quest's
-bound (`evals/sparse.py`, the engine's own functions): its continuation is scored one token per step,
+memory) and attends at each decode step to the sinks, the recent window and the top pages by their
+summaries' score (`evals/sparse.py`, the engine's own functions): its continuation is scored one token per step,
 as the engine decodes it (teacher forcing), and its passkey answer is greedy-decoded the same way.
 
 Sizes are those of a 16-bit (bf16/fp16) KV cache, the way models are served: full-precision
@@ -28,6 +28,7 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import Cache
 
 from kvtier.codecs.quant import DEFAULT_GROUP_TOKENS
+from kvtier.config import PAGE_SUMMARY_VECTORS
 from kvtier.engine.offload import OffloadMode, parse_offload
 from kvtier.errors import UserError
 from kvtier.evals import passkey as pk
@@ -396,8 +397,9 @@ def _tally_placement(tally: _Tally, method: Method, run_model: torch.nn.Module, 
     first, end = window.host_blocks(num_tokens)
     num_pages = (end - first) * (window.block_tokens // window.page_tokens)
     device_tokens = num_tokens - (end - first) * window.block_tokens
-    summary_bytes = num_pages * config.num_hidden_layers * num_kv_heads(config) * layer_head_page_bytes \
-        // window.page_tokens   # per layer, KV head and page: key min + max, head_dim each
+    # per layer, KV head and page: its keys' min, max and mean, head_dim values each
+    summary_bytes = (num_pages * config.num_hidden_layers * num_kv_heads(config) * PAGE_SUMMARY_VECTORS
+                     * head_dim(config) * SERVED_BYTES_PER_ELEMENT)
     tally.device_kv_bytes.append(device_tokens * full_precision_bytes_per_token(config) + summary_bytes)
     if stats.num_decode_steps:
         tally.fetched_bytes_per_token.append(stats.num_fetched_pages * layer_head_page_bytes / stats.num_decode_steps)

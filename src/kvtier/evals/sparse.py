@@ -3,8 +3,9 @@
 The engine (`engine/offload.py`) keeps an offloaded sequence's first `sink_blocks` blocks and its last
 `recent_blocks` (the open block and the one before it) on the device, every full block in between in
 host memory; a block is pages of `page_tokens` (`EngineConfig.offload_page_tokens`, at most the block). At a
-decode step, for each layer and KV head, it scores the host pages with Quest's bound (`quest_scores` of the
-post-RoPE query against each page's per-channel key min/max, `page_summary`) and attends to the sinks, the
+decode step, for each layer and KV head, it scores the host pages (`quest_scores` of the post-RoPE query
+against each page's per-channel key min/max/mean, `page_summary`: half Quest's bound, half the mean key's
+score) and attends to the sinks, the
 recent window and the top `OffloadMode.num_fetched(n)` of its n host pages (`select_pages`). Prefill chunks
 are exact, and so is a step whose budget covers every host page.
 

@@ -5,8 +5,8 @@ window (the open block included). Every other block lives off the device (host D
 - exact: every off-device block crosses the link at every decode step, layer by layer (layer l+1's copy
   overlapping layer l's compute): a step moves all off-device KV of every request on the GPU.
 - sparse (Quest): a block is pages of `page_tokens` (the engine's `offload_page_tokens`; the block when that is
-  the block size); a per-page key summary on the device, per-channel min and max (2 x d_head 16-bit values per
-  page, layer and KV head), picks floor(fraction x off-device pages) (at least one) pages per layer and KV head;
+  the block size); a per-page key summary on the device, per-channel min, max and mean (3 x d_head 16-bit values
+  per page, layer and KV head), picks floor(fraction x off-device pages) (at least one) pages per layer and KV head;
   only those cross the link. The summaries never cross it: they are read from HBM at every step.
 Fetch area: one layer of what a step fetches for all requests of the GPU, double-buffered.
 Decode: a step yields one token per request and lasts at least max(link bytes / link bandwidth,
@@ -22,7 +22,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
-from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, sparse_page_tokens
+from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, PAGE_SUMMARY_VECTORS, sparse_page_tokens
 from kvtier.errors import UserError
 from kvtier.plan.catalog_links import LINKS
 from kvtier.plan.specs import GPUSpec, ModelSpec
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 SINK_TOKENS = 4            # StreamingLLM's attention sinks (as levers.eviction): they take the first block
 RECENT_TOKENS = 768        # with 256-token blocks: 1 sink + 3 recent blocks = 1,024 tokens on the device
-SUMMARY_ELEMENT_BYTES = 2  # Quest keeps min/max in fp16
+SUMMARY_ELEMENT_BYTES = 2  # the summaries in fp16 (as Quest's min/max)
 DEFAULT_SPARSE_FRACTION = 1 / 8
 
 
@@ -88,7 +88,7 @@ class OffloadMode:
     fetched_tokens_per_request: int   # per layer and KV head, per decode step
     fetch_unit_tokens: int            # ... in units of this many tokens (exact: blocks; sparse: pages)
     link_bytes_per_step: float        # what crosses the link at each decode step
-    summary_bytes_per_gpu: float      # Quest min/max kept on the device (sparse only)
+    summary_bytes_per_gpu: float      # key min/max/mean per page kept on the device (sparse only)
     fetch_area_bytes_per_gpu: float
     device_bytes_per_gpu: float       # weights + window KV + fetch area + summaries + activations + overhead
     fits_device: bool
@@ -127,11 +127,11 @@ def _full_layers(model: ModelSpec) -> ModelSpec:
 
 
 def _summary_bytes(model: ModelSpec, tp: int, num_pages: int) -> float:
-    """Quest: per-channel min and max of each page's keys = 2 x d_head values per page, layer and KV head
+    """Per-channel min, max (Quest) and mean of each page's keys = 3 x d_head values per page, layer and KV head
     (MLA: of the latent and the rope key, one 'head')."""
     keys_per_token = (model.mla_kv_lora_rank + model.mla_rope_dim if model.is_mla
                       else model.kv_heads_per_rank(tp) * model.head_dim)
-    return num_pages * _full_layers(model).num_layers * 2 * keys_per_token * SUMMARY_ELEMENT_BYTES
+    return num_pages * _full_layers(model).num_layers * PAGE_SUMMARY_VECTORS * keys_per_token * SUMMARY_ELEMENT_BYTES
 
 
 def _mode(name: str, result: PlanResult, model: ModelSpec, gpu: GPUSpec, *, window_rank: float,
@@ -212,5 +212,5 @@ def _notes(model: ModelSpec, off_blocks: int) -> list[str]:
         notes.append(f"offload: the {model.num_sliding_layers} sliding-window layers keep their window on the device; "
                      f"only the {model.num_layers - model.num_sliding_layers} full-attention layers offload")
     if model.is_mla:
-        notes.append("offload: MLA's sparse summary is the min/max of the latent and rope key (one 'head')")
+        notes.append("offload: MLA's sparse summary is the min/max/mean of the latent and rope key (one 'head')")
     return notes

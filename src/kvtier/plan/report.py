@@ -106,7 +106,7 @@ def _render_offload(console, r: PlanResult) -> None:
     table = Table(title=f"offload: serve it on this replica (tp{r.tp}) with cold KV blocks off the device")
     table.add_column("item")
     table.add_column("exact (every off-device block, every step)")
-    table.add_column(f"{r.offload.sparse.name} (Quest top blocks per layer and KV head)")
+    table.add_column(f"{r.offload.sparse.name} (top pages per layer and KV head)")
     for row in _offload_rows(r):
         table.add_row(*row)
     console.print(table)
@@ -115,7 +115,7 @@ def _render_offload(console, r: PlanResult) -> None:
     console.print(_buy_line(r))
     console.print("estimate, offload: a step lasts at least max(link bytes / link bandwidth, HBM bytes / HBM "
                   "bandwidth), nominal peaks of one link per GPU; fetch area = one layer of a step's fetches, "
-                  "double-buffered; Quest summaries (key min/max, fp16) stay on the device")
+                  "double-buffered; page summaries (key min/max/mean, fp16) stay on the device")
     for note in r.offload.notes:
         console.print(f"note: {note}")
 
