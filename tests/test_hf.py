@@ -270,3 +270,51 @@ def test_quantized_resident_prefix_round_trips_through_the_tiers(tmp_path, tiny_
             assert torch.equal(a, b)
     assert len(_greedy(tiny_model, ids, second)) == 12
     manager.close()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_restore_copies_on_several_threads_give_the_same_tokens(tmp_path, tiny_model, monkeypatch, threads):
+    """A lone restore copies on `copy_threads()` threads (the copies of one block go to the helpers
+    while the next block is read); the K/V and the greedy tokens are those of DynamicCache."""
+    import kvtier.hf
+
+    monkeypatch.setattr(kvtier.hf, "copy_threads", lambda: threads)
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(6 * BLOCK + 2)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    first.load_prefix(ids)
+    out = _greedy(tiny_model, ids, first)
+    first.store(torch.cat([ids[0], torch.tensor(out)]))
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == 6 * BLOCK
+    ref = DynamicCache(config=tiny_model.config)
+    with torch.inference_mode():
+        tiny_model.model(ids[:, :6 * BLOCK], past_key_values=ref, use_cache=True)
+    for a, b in zip(ref.layers, second.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert _greedy(tiny_model, ids, second) == out
+    manager.close()
+
+
+def test_a_failed_restore_copy_computes_the_prompt_instead(tmp_path, tiny_model, monkeypatch, caplog):
+    """A copy that fails on a helper thread ends the restore with nothing cached (the buffers may be
+    half-written): the request computes its prompt and its tokens are still DynamicCache's."""
+    import kvtier.hf
+    from kvtier.transfer.copies import CopyGroup
+
+    class FailingGroup(CopyGroup):
+        def add(self, dst, src):
+            super().add(dst, src.reshape(-1) if self.num_copies == 7 else src)
+
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(4 * BLOCK + 5)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    out = _greedy(tiny_model, ids, first)
+    first.store(ids[0])
+    monkeypatch.setattr(kvtier.hf, "CopyGroup", FailingGroup)
+    monkeypatch.setattr(kvtier.hf, "copy_threads", lambda: 2)
+    second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert second.load_prefix(ids) == 0
+    assert second.get_seq_length() == 0 and "copying 4 restored blocks" in caplog.text
+    assert _greedy(tiny_model, ids, second) == out
+    manager.close()

@@ -36,6 +36,7 @@ layer before, as the old scheme did — not yet run on a GPU).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -49,8 +50,10 @@ from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, OffloadMode, parse_offloa
 from kvtier.engine.offload import OffloadStats
 from kvtier.hf_offload import OffloadLayer, QueryTap
 from kvtier.transfer import BlockMover
+from kvtier.transfer.copies import CopyGroup, copy_threads
 
 _MIN_CAPACITY_TOKENS = 256
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -65,12 +68,14 @@ class PrefixStats:
 
 class _BlockCopier:
     """Writes decoded blocks [L, 2, H, T, D] into per-layer K/V buffers [1, H, capacity, D] at a
-    token offset. On the CPU a plain single-threaded memcpy over numpy byte views made once (a
-    restore is memory-bound, and torch's multi-threaded copy of many mid-sized slices collapses,
-    10-100x, when the cores are shared with other work); devices and dtype changes go through `copy_`."""
+    token offset. On the CPU, plain memcpys over numpy byte views made once, handed to a `CopyGroup`
+    (a restore before the forward runs alone: its copies use the cores torch may use; torch's own
+    multi-threaded copy of many mid-sized slices collapses, 10-100x, when the cores are shared with
+    other work); devices and dtype changes go through `copy_`."""
 
-    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], group: CopyGroup | None = None) -> None:
         self.buffers = buffers
+        self.group = group or CopyGroup(1)
         self.np_views = [tuple(byte_array(buf[0]) for buf in pair) for pair in buffers] \
             if all(buf.device.type == "cpu" for pair in buffers for buf in pair) else None
 
@@ -83,8 +88,8 @@ class _BlockCopier:
         if self.np_views is not None and block.device.type == "cpu" and block.dtype == self.buffers[0][0].dtype:
             src = byte_array(block)
             for layer_idx, (k_np, v_np) in enumerate(self.np_views):
-                k_np[:, start:end] = src[layer_idx, 0]
-                v_np[:, start:end] = src[layer_idx, 1]
+                self.group.add(k_np[:, start:end], src[layer_idx, 0])
+                self.group.add(v_np[:, start:end], src[layer_idx, 1])
             return
         for layer_idx, (k_buf, v_buf) in enumerate(self.buffers):
             k_buf[0, :, start:end].copy_(block[layer_idx, 0], non_blocking=True)
@@ -332,16 +337,24 @@ class TieredCache(Cache):
 
     def _fill(self, match, capacity_tokens: int) -> list[str]:
         """Stream the matched blocks ([L, 2, H, T, D] each) straight into the layers' buffers: each
-        block is verified just before it is copied (so the copy reads it from cache), one copy per
-        block and layer, no concatenation. Returns the tier each restored block came from (fewer
-        than matched: the prefix ended at a bad block)."""
+        block is verified, then its copies (one per layer, K and V) go to the copy threads while the
+        next block is read and verified; no concatenation. Returns the tier each restored block came
+        from (fewer than matched: the prefix ended at a bad block, or the copies failed)."""
         h, d = self.layout.num_kv_heads, self.layout.head_dim
         like = torch.empty((1, h, len(match) * self.layout.block_tokens, d), dtype=self.layout_dtype, device="meta")
         self._initialize_layers()
         for layer in self.layers:
             layer.reserve(like, capacity_tokens)
-        copy = _BlockCopier([layer.buffers() for layer in self.layers])
-        tiers = self.mover.restore(match, copy.at(self.layout.block_tokens)).tiers  # DRAM: read in its slots
+        threads = copy_threads() if self._compute_device().type == "cpu" else 1
+        with CopyGroup(threads) as group:
+            copy = _BlockCopier([layer.buffers() for layer in self.layers], group)
+            with self.mover.restoring(match, copy.at(self.layout.block_tokens)) as restored:  # DRAM: its slots
+                try:
+                    group.finish()  # before the `with` gives the tiers' memory back
+                    tiers = restored.tiers
+                except Exception:  # noqa: BLE001 - a failed copy: compute the prompt instead
+                    log.exception("copying %d restored blocks into the cache failed; recomputing them", len(restored))
+                    tiers = []
         for layer in self.layers:
             layer.set_length(len(tiers) * self.layout.block_tokens)
         return tiers
