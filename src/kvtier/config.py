@@ -15,6 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from typing import Any, Callable, Literal, get_args
 
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.errors import ConfigError
 from kvtier.units import SizeError, parse_bytes
 
@@ -221,7 +222,7 @@ class EngineConfig:
 
     device_kv_budget_bytes: int = setting(512 * _MiB, name="device_kv_budget", parse=parse_bytes,
                                           help="device KV arena size, e.g. 512MiB")
-    block_tokens: int = setting(256, help="tokens per KV block")
+    block_tokens: int = setting(DEFAULT_BLOCK_TOKENS, help="tokens per KV block")
     max_num_seqs: int = setting(32, help="running sequences at most")
     max_prefill_tokens: int = setting(512, help="prompt tokens computed per step, all sequences together "
                                                 "(chunked prefill)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import typer
 
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.config import command_settings
 from kvtier.errors import UserError
 from kvtier.tiers.spec import TierSpec, parse_specs
@@ -75,7 +76,8 @@ class _FirstTokenTimer:
         pass
 
 
-def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw", block_tokens: int = 256,
+def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw",
+                 block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  kv_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
                  offload_recent_blocks: int = 2, offload_page_tokens: int | None = None) -> GenerateResult:
     """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""

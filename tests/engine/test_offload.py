@@ -14,7 +14,7 @@ from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
 from kvtier.engine.engine import ContextLengthError, HostRoomError
 from kvtier.engine.offload import (FetchArea, OffloadAttention, OffloadMode, OffloadStats, SeqOffload, attend,
-                                   block_summary, merge, page_summary, parse_offload, quest_scores, select_blocks,
+                                   merge, page_summary, parse_offload, quest_scores, select_blocks,
                                    select_pages)
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.tiers.manager import build_manager
@@ -341,7 +341,7 @@ def test_page_selection_with_block_sized_pages_is_the_block_selection():
         # the block summary: per-channel min, max and mean over the block's tokens
         kb = k_blocks[:, layer]
         old = torch.stack([kb.amin(dim=2), kb.amax(dim=2), kb.mean(dim=2)], dim=2)  # [n, H, 3, D]
-        assert torch.equal(summaries[:, layer, 0], old) and torch.equal(block_summary(kb), old)
+        assert torch.equal(summaries[:, layer, 0], old) and torch.equal(page_summary(kb, t)[:, 0], old)
         for k in (1, 3, 9):
             assert torch.equal(select_pages(summaries[:, layer], q, k), select_blocks(quest_scores(old, q), k))
 
@@ -353,7 +353,7 @@ def test_page_scores_are_half_quests_bound_half_the_mean_key():
     n, h, g, t, d = 5, 2, 3, 8, 4
     keys = torch.randn(n, h, t, d, generator=gen)
     q = torch.randn(h, g, d, generator=gen)
-    summary = block_summary(keys[None].transpose(0, 1).reshape(n, h, t, d))  # [n, H, 3, D]
+    summary = page_summary(keys, t)[:, 0]  # the block as one page: [n, H, 3, D]
     bound = quest_scores(summary, q, bound_weight=1.0)
     dots = torch.einsum("hgd,nhtd->nhgt", q, keys)  # every key's q.k
     assert (dots.amax(-1).amax(-1) <= bound + 1e-5).all()  # an upper bound

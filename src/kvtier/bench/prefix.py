@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.hf import TieredCache
 from kvtier.transfer.copies import copy_threads, split_copy
 
@@ -248,7 +249,7 @@ def raw_pool_get(manager, loaded, ids: torch.Tensor, block_tokens: int):
 
 
 def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POOL_TIERS), repeats: int = 3,
-        block_tokens: int = 256, ssd_dir: str | None = None, pool_urls: dict[str, str] | None = None,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS, ssd_dir: str | None = None, pool_urls: dict[str, str] | None = None,
         progress=print, model: str = "smollm2") -> list[PrefixRow]:
     """The whole benchmark on SmolLM2 (or `model`) and tinyshakespeare; one row per tier plus recompute."""
     from kvtier import models

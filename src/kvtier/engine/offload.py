@@ -129,11 +129,6 @@ def page_summary(k_block: torch.Tensor, page_tokens: int) -> torch.Tensor:
     return torch.stack([pages.amin(dim=3), pages.amax(dim=3), pages.mean(dim=3)], dim=3)
 
 
-def block_summary(k_block: torch.Tensor) -> torch.Tensor:
-    """k_block [L, H, T, D] -> [L, H, 3, D]: the summary of the block as one page."""
-    return page_summary(k_block, k_block.shape[2])[:, 0]
-
-
 def quest_scores(summary: torch.Tensor, q: torch.Tensor, bound_weight: float = BOUND_WEIGHT) -> torch.Tensor:
     """Each page's score: summary [n, H, 3, D] (key min, max, mean), q [H, G, D] (a KV head's group of query
     heads, one query) -> [n, H], for each KV head the largest in its group of

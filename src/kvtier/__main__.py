@@ -1,0 +1,5 @@
+"""`python -m kvtier ...`: the `kvtier` command."""
+
+from kvtier.cli import main
+
+main()
