@@ -130,3 +130,75 @@ def test_no_tier_io_on_the_step_thread_but_the_match(tiny_model, tiny_prompts, t
         assert {name for name, _ in calls} == {"lease_many", "put_many", "contains_many", "pin_many"}
     finally:
         manager.close()
+
+
+def _record_loads(engine) -> list:
+    jobs = []
+    load = engine.transfer.load
+
+    def recorded(job):
+        jobs.append(job)
+        load(job)
+
+    engine.transfer.load = recorded
+    return jobs
+
+
+def test_a_load_beside_no_forward_copies_on_the_copy_threads(tiny_model, tiny_prompts, tmp_path, monkeypatch):
+    """An idle engine's load (its step computes nothing) copies on `copy_threads()` threads; a load
+    beside another request's forward on one. Both land the exact KV: the tokens are generate's."""
+    import kvtier.engine.engine
+
+    monkeypatch.setattr(kvtier.engine.engine, "copy_threads", lambda: 3)
+    prompt, other = tiny_prompts[2], tiny_prompts[1]
+    expected = reference(tiny_model.model, prompt, NEW)
+    manager = _manager(tiny_model, tmp_path)
+    try:
+        assert run_all(make_engine(tiny_model, 64, manager), [prompt]) == [expected]
+        engine = make_engine(tiny_model, 64, manager)
+        jobs = _record_loads(engine)
+        outputs: dict[str, list[int]] = {}
+        engine.add_request("alone", prompt, SamplingParams(max_tokens=NEW))
+        _drain(engine, outputs)
+        assert [job.copy_threads for job in jobs] == [3]
+        engine = make_engine(tiny_model, 64, manager)
+        jobs = _record_loads(engine)
+        engine.add_request("other", other, SamplingParams(max_tokens=NEW))
+        engine.step()  # "other" is running: the next step computes its tokens beside the load
+        engine.add_request("beside", prompt, SamplingParams(max_tokens=NEW))
+        _drain(engine, outputs)
+        assert [job.copy_threads for job in jobs] == [1]
+        assert outputs["alone"] == outputs["beside"] == expected
+        assert outputs["other"] == reference(tiny_model.model, other, NEW)
+        assert manager.tiers[0].num_leased() == 0
+    finally:
+        manager.close()
+
+
+def test_a_failed_copy_on_a_copy_thread_computes_the_blocks(tiny_model, tiny_prompts, tmp_path, monkeypatch):
+    """A copy that raises on a helper thread: the load comes back empty (its blocks may be half-written),
+    the request computes its prompt, its tokens are generate's, every lease ends."""
+    import numpy as np
+
+    import kvtier.engine.engine
+
+    monkeypatch.setattr(kvtier.engine.engine, "copy_threads", lambda: 2)
+    prompt = tiny_prompts[2]
+    expected = reference(tiny_model.model, prompt, NEW)
+    manager = _manager(tiny_model, tmp_path)
+    try:
+        assert run_all(make_engine(tiny_model, 64, manager), [prompt]) == [expected]
+        engine = make_engine(tiny_model, 64, manager)
+        write_block = engine.transfer.write_block
+
+        def failing(block_id, kv, copies):
+            write_block(block_id, kv, copies)
+            copies.add(np.zeros(3, np.uint8), np.zeros(5, np.uint8))  # cannot broadcast: raises on a helper
+
+        engine.transfer.write_block = failing
+        assert run_all(engine, [prompt]) == [expected]
+        stats = engine.stats()
+        assert stats.prefix_hit_tokens_by_tier == {} and stats.num_blocks_loaded_from_tiers == 0
+        assert manager.tiers[0].num_leased() == 0
+    finally:
+        manager.close()

@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
                  f"{repeats}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
         table = Table(title=title)
         for col in ("source", "cached tokens", "TTFT", "vs recompute", "restore GB/s", "raw medium GB/s",
-                    "restore / raw", "engine arena GB/s", "arena's raw GB/s", "arena / raw", "target"):
+                    "restore / raw", "engine arena GB/s", "arena / raw", "target"):
             table.add_column(col)
         for r in rows:
             target = r.target_fraction
@@ -57,8 +57,6 @@ def register(app: typer.Typer) -> None:
                           if r.raw_gb_s else "-",
                           f"{r.restore_fraction:.0%}" if r.raw_gb_s else "-",
                           f"{r.arena_gb_s:.2f}" if r.arena_gb_s else "-",
-                          (f"{r.arena_raw_gb_s:.2f} (1 thread)" if r.arena_raw_gb_s else f"{r.raw_gb_s:.2f}")
-                          if r.raw_gb_s else "-",
                           f"{r.arena_fraction:.0%}" if r.raw_gb_s else "-",
                           "-" if target is None else f">={target:.0%}: hf {_met(r.restore_fraction, target)}, "
                                                     f"arena {_met(r.arena_fraction, target)}")

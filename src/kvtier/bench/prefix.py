@@ -13,9 +13,9 @@ Protocol (one process, one run, the same model and prompt):
 3. restore bandwidth = restored KV bytes / `load_prefix` time (match + the stream of blocks, each
    verified just before its copy into the layer buffers); the engine's restore (its transfer worker
    into a paged arena) beside it; against the raw medium moving the same bytes: a warm numpy memcpy
-   between pre-touched buffers (DRAM) on as many threads as the restore copies with (`TieredCache`
-   copies a lone restore on `copy_threads()`; the engine on its one transfer thread, beside other
-   requests' forward, so its arena is held to a one-thread memcpy), a cold sequential read of one file (SSD), the backend's own
+   between pre-touched buffers (DRAM) cut over as many threads as the restores copy with (a restore
+   beside no forward — `TieredCache.load_prefix`, an idle engine's load — copies on `copy_threads()`;
+   the engine's loads beside a forward on one), a cold sequential read of one file (SSD), the backend's own
    fastest batched get of the same keys (Mooncake: the better of `get_batch` and `batch_get_into`;
    Redis `MGET`). Each round runs the three back to back, so both sides of a ratio see the same
    machine load; each side is its best round (on a shared machine the least disturbed one).
@@ -53,8 +53,7 @@ class PrefixRow:
     restore_gb_s: float = 0.0
     raw_gb_s: float = 0.0
     arena_gb_s: float = 0.0   # the engine's restore: transfer worker -> its pre-touched paged arena
-    arena_raw_gb_s: float = 0.0  # its reference (DRAM: a one-thread memcpy; otherwise `raw_gb_s`)
-    copy_threads: int = 1     # the threads TieredCache's restore copied with (and the DRAM memcpy)
+    copy_threads: int = 1     # the threads both restores copied with (and the DRAM memcpy)
 
     @property
     def restore_fraction(self) -> float:
@@ -62,8 +61,7 @@ class PrefixRow:
 
     @property
     def arena_fraction(self) -> float:
-        raw = self.arena_raw_gb_s or self.raw_gb_s
-        return self.arena_gb_s / raw if raw else 0.0
+        return self.arena_gb_s / self.raw_gb_s if self.raw_gb_s else 0.0
 
     @property
     def target_fraction(self) -> float | None:
@@ -75,8 +73,8 @@ class PrefixRow:
         return {"source": self.tier, "prefix_tokens": self.prefix_tokens, "cached_tokens": self.cached_tokens,
                 "ttft_s": self.ttft_s, "speedup": self.speedup, "restore_gbps": self.restore_gb_s,
                 "raw_gbps": self.raw_gb_s, "restore_fraction": self.restore_fraction,
-                "arena_restore_gbps": self.arena_gb_s, "arena_raw_gbps": self.arena_raw_gb_s or self.raw_gb_s,
-                "arena_restore_fraction": self.arena_fraction, "copy_threads": self.copy_threads,
+                "arena_restore_gbps": self.arena_gb_s, "arena_restore_fraction": self.arena_fraction,
+                "copy_threads": self.copy_threads,
                 "target_fraction": target,
                 "bandwidth_target_met": None if target is None else self.restore_fraction >= target,
                 "arena_bandwidth_target_met": None if target is None else self.arena_fraction >= target,
@@ -115,11 +113,10 @@ def drop_page_cache(directory: Path) -> None:
 
 
 def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, recompute_s: float,
-                 expected_token: int, block_tokens: int, raw_read, before_each=None,
-                 arena_raw_read=None) -> PrefixRow:
+                 expected_token: int, block_tokens: int, raw_read, before_each=None) -> PrefixRow:
     """Rounds of three, side by side: the `TieredCache` restore and first token, the engine's restore
-    into its arena, and the raw medium moving the same bytes (`raw_read()` -> seconds; the arena's
-    reference `arena_raw_read()` when it differs, run right after). Interleaving
+    into its arena (an idle engine's load), and the raw medium moving the same bytes (`raw_read()` ->
+    seconds). Interleaving
     puts each ratio's two sides under the same machine load (a shared VM's bandwidth drifts by tens of
     percent within minutes); bandwidths are the best round of each, TTFT the median."""
     cache = TieredCache.for_model(loaded, manager, block_tokens=block_tokens)
@@ -127,7 +124,7 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
     cache.store(ids[0])
     manager.flush()
     arena_restore = _arena_restore(loaded, manager, ids, block_tokens)
-    times, loads, arena_times, raw_times, arena_raw_times, cached = [], [], [], [], [], 0
+    times, loads, arena_times, raw_times, cached = [], [], [], [], 0
     for _ in range(repeats):
         if before_each:
             before_each()
@@ -142,14 +139,11 @@ def measure_tier(loaded, manager, tier: str, ids: torch.Tensor, repeats: int, re
             before_each()
         arena_times.append(arena_restore())
         raw_times.append(raw_read())
-        if arena_raw_read is not None:
-            arena_raw_times.append(arena_raw_read())
     ttft = statistics.median(times)
     restore_bytes = cached * loaded.kv_layout(block_tokens).bytes_per_token
     return PrefixRow(tier, ids.shape[1], cached, ttft, recompute_s / ttft, restore_bytes / min(loads) / 1e9,
                      raw_gb_s=restore_bytes / min(raw_times) / 1e9,
                      arena_gb_s=restore_bytes / min(arena_times) / 1e9,
-                     arena_raw_gb_s=restore_bytes / min(arena_raw_times) / 1e9 if arena_raw_times else 0.0,
                      copy_threads=copy_threads() if tier == "dram" else 1)
 
 
@@ -162,8 +156,9 @@ def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
 
 
 def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
-    """The engine's restore of the same prefix: `KVTransfer` (the block mover) streams the verified blocks from the tier
-    into a paged `RawArena` (allocated once and zeroed, as the engine's is). Returns a function that
+    """The engine's restore of the same prefix, as an idle engine loads it (`copy_threads()`: no forward beside it):
+    `KVTransfer` (the block mover) streams the verified blocks from the tier into a paged `RawArena` (allocated
+    once and zeroed, as the engine's is). Returns a function that
     restores once and gives its seconds, after checking every block came and the first holds exactly
     what the tier stored."""
     from kvtier.codecs import get_codec
@@ -177,7 +172,7 @@ def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
 
     def restore() -> float:
         start = time.perf_counter()
-        transfer.load(LoadJob("bench", manager.match(keys, pin=True), list(range(len(keys)))))
+        transfer.load(LoadJob("bench", manager.match(keys, pin=True), list(range(len(keys))), copy_threads()))
         (done,) = transfer.poll()
         seconds = time.perf_counter() - start
         if done.num_written != len(keys):
@@ -288,9 +283,8 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
                 num_bytes = len(_prefix_keys(loaded, ids, block_tokens)) * loaded.kv_layout(block_tokens).block_bytes
                 raw = raw_memcpy(num_bytes, copy_threads()) if tier == "dram" else \
                     raw_file_read(tmp, num_bytes) if tier == "ssd" else raw_pool_get(manager, loaded, ids, block_tokens)
-                arena_raw = raw_memcpy(num_bytes) if tier == "dram" and copy_threads() > 1 else None
                 rows.append(measure_tier(loaded, manager, tier, ids, repeats, recompute_s, token, block_tokens, raw,
-                                         before, arena_raw))
+                                         before))
                 manager.close()
         finally:
             for service in started:

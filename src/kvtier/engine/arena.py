@@ -22,6 +22,7 @@ and whole-block copies for the tiers (`block_tensor`/`write_block`, full precisi
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from kvtier.blocks import KVLayout
 from kvtier.codecs import quant
 from kvtier.codecs.codec import byte_array
 from kvtier.config import ARENA_CODECS, KVFormat
+
+if TYPE_CHECKING:
+    from kvtier.transfer.copies import CopyGroup
 
 _KIVI_GROUP = quant.DEFAULT_GROUP_SIZE
 
@@ -151,13 +155,19 @@ class RawArena:
         """One full block at the model's dtype, [L, 2, H, T, D] on the CPU (for a tier codec)."""
         return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
 
-    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+    def write_block(self, block_id: int, kv: torch.Tensor, copies: CopyGroup | None = None) -> None:
+        """One decoded block [L, 2, H, T, D] into its slots. On the CPU plain numpy memcpys, one per layer
+        and K/V, handed to `copies` (the transfer worker's group: one thread beside a forward, whose
+        intra-op threads use every core, more when none runs; None: copied now)."""
         if self.device.type == kv.device.type == "cpu" and kv.dtype == self.dtype and kv.is_contiguous():
-            # a plain single-threaded memcpy: the transfer worker calls this beside a forward that
-            # uses every core through torch's own threads
             src = byte_array(kv)
-            self._k_bytes[:, block_id] = src[:, 0]
-            self._v_bytes[:, block_id] = src[:, 1]
+            if copies is None or copies.threads == 1:
+                self._k_bytes[:, block_id] = src[:, 0]
+                self._v_bytes[:, block_id] = src[:, 1]
+                return
+            for layer in range(self.layout.num_layers):
+                copies.add(self._k_bytes[layer, block_id], src[layer, 0])
+                copies.add(self._v_bytes[layer, block_id], src[layer, 1])
             return
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.k_cache[:, block_id] = kv[:, 0]

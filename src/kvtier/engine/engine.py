@@ -33,6 +33,7 @@ from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, Offl
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.transfer import KVTransfer
+from kvtier.transfer.copies import copy_threads
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +348,11 @@ class LLMEngine:
         for offload in out.offloads:
             self._offload_block(offload)
         # Tier loads only read the tiers now; their blocks are written by a later step's _finish_loads.
+        # A load beside no forward (this step computes nothing) copies on the cores torch may use; one
+        # beside a forward copies on one, leaving the forward's intra-op threads their cores.
+        threads = copy_threads() if not out.chunks else 1
         for job in out.loads:
+            job.copy_threads = threads
             self.transfer.load(job)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")

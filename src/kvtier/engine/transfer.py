@@ -8,7 +8,8 @@ engine supplies only the destination write:
   match found them, each verified just before it is decoded and written into its device block by
   `write_block` (DRAM blocks read in place, leased slots; the device blocks are the waiting sequence's
   own: no forward reads them, and the scheduler frees them only once the load has returned; on CUDA
-  the copies go on a side stream). The step thread only polls finished loads; a block is registered
+  the copies go on a side stream; on the CPU they run on `LoadJob.copy_threads` threads, more than one
+  only for a load handed over in a step that computes nothing — `transfer.copies`). The step thread only polls finished loads; a block is registered
   in the device prefix cache once its KV is really there. An arena whose block writes touch state a
   forward uses (the quantized formats) gets the decoded blocks back, still leased, for the step
   thread to copy before the next forward (`KVTransfer(write_block=None)`);
@@ -34,6 +35,7 @@ import torch
 from kvtier.codecs import Codec
 from kvtier.tiers.manager import PrefixMatch, TierManager
 from kvtier.transfer import BlockMover
+from kvtier.transfer.copies import CopyGroup
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class LoadJob:
     request_id: str
     match: PrefixMatch          # the tier blocks to read, in prefix order
     block_ids: list[int]        # the device blocks they go to (one each)
+    copy_threads: int = 1       # threads its copies may use (more only when no forward runs beside it)
 
 
 @dataclass(slots=True)
@@ -66,14 +69,17 @@ class TransferStats:
 
 
 class _DeviceBlocks:
-    """The engine's sink: block i of the load goes into device block `block_ids[i]`."""
+    """The engine's sink: block i of the load goes into device block `block_ids[i]`, its copies handed
+    to `copies` (done when the group finishes)."""
 
-    def __init__(self, write_block: Callable[[int, torch.Tensor], None], block_ids: list[int]) -> None:
+    def __init__(self, write_block: Callable[[int, torch.Tensor, CopyGroup], None], block_ids: list[int],
+                 copies: CopyGroup) -> None:
         self.write_block = write_block
         self.block_ids = block_ids
+        self.copies = copies
 
     def write(self, index: int, block: torch.Tensor) -> None:
-        self.write_block(self.block_ids[index], block)
+        self.write_block(self.block_ids[index], block, self.copies)
 
 
 class _Kept(list):
@@ -85,18 +91,20 @@ class _Kept(list):
 
 class KVTransfer:
     """One load thread (and the mover's save thread) between the engine and the tier manager.
-    `write_block(block_id, kv)` puts a decoded block into its device block (None: loads come back
-    decoded, for the step thread to copy). `synchronous=True` runs every job at submission (tests,
+    `write_block(block_id, kv, copies)` puts a decoded block into its device block, its host copies
+    handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy). `synchronous=True` runs every job at submission (tests,
     debugging); results are the same, only when they happen differs."""
 
     def __init__(self, manager: TierManager, codec: Codec, *,
-                 write_block: Callable[[int, torch.Tensor], None] | None = None, synchronous: bool = False) -> None:
+                 write_block: Callable[[int, torch.Tensor, CopyGroup], None] | None = None,
+                 synchronous: bool = False) -> None:
         self.manager = manager
         self.codec = codec
         self.write_block = write_block
         self.mover = BlockMover(manager, codec, synchronous=synchronous)
         self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
         self._errors = 0
+        self._blocks_not_copied = 0  # handed over by the mover, then lost to a failed copy
         self._loads: deque[LoadJob] = deque()
         self._done: deque[LoadDone] = deque()
         self._cond = threading.Condition()
@@ -111,8 +119,8 @@ class KVTransfer:
     def stats(self) -> TransferStats:
         """A snapshot (the engine's stats and metrics read these names)."""
         m = self.mover.stats
-        return TransferStats(m.num_restores, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
-                             m.save_seconds, m.errors + self._errors)
+        return TransferStats(m.num_restores, m.num_blocks_restored - self._blocks_not_copied, m.num_blocks_saved,
+                             m.restore_seconds, m.save_seconds, m.errors + self._errors)
 
     # -- the step thread ---------------------------------------------------------------------------
     def load(self, job: LoadJob) -> None:
@@ -178,10 +186,21 @@ class KVTransfer:
             self._cond.notify_all()
 
     def _write_load(self, job: LoadJob) -> LoadDone:
-        """Each block verified (by the stream), decoded and written into its device block in turn."""
+        """Each block verified (by the stream), decoded and written into its device block in turn (its
+        copies on `job.copy_threads` threads, over while the blocks are still leased). Failed copies:
+        the load comes back empty (the blocks may be half-written; the sequence computes them)."""
         on_side_stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        with on_side_stream:
-            restored = self.mover.restore(job.match, _DeviceBlocks(self.write_block, job.block_ids))
+        threads = job.copy_threads if self._stream is None else 1
+        with on_side_stream, CopyGroup(threads) as copies:
+            with self.mover.restoring(job.match, _DeviceBlocks(self.write_block, job.block_ids, copies)) as restored:
+                try:
+                    copies.finish()
+                except Exception:  # noqa: BLE001 - a recompute, never the engine
+                    log.exception("copying %d loaded blocks of %s failed; computing them", len(restored),
+                                  job.request_id)
+                    self._errors += 1
+                    self._blocks_not_copied += len(restored)
+                    return LoadDone(job.request_id, job.block_ids, [])
         if self._stream is not None:
             self._stream.synchronize()  # the KV is on the device before the sequence may run
         return LoadDone(job.request_id, job.block_ids, restored.tiers, num_written=len(restored))
