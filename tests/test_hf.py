@@ -315,6 +315,7 @@ def test_a_failed_restore_copy_computes_the_prompt_instead(tmp_path, tiny_model,
     monkeypatch.setattr(kvtier.hf, "copy_threads", lambda: 2)
     second = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
     assert second.load_prefix(ids) == 0
-    assert second.get_seq_length() == 0 and "copying 4 restored blocks" in caplog.text
+    assert second.get_seq_length() == 0
+    assert "copying 4 restored blocks" in caplog.text
     assert _greedy(tiny_model, ids, second) == out
     manager.close()

@@ -9,8 +9,8 @@ engine supplies only the destination write:
   `write_block` (DRAM blocks read in place, leased slots; the device blocks are the waiting sequence's
   own: no forward reads them, and the scheduler frees them only once the load has returned; on CUDA
   the copies go on a side stream; on the CPU they run on `LoadJob.copy_threads` threads, more than one
-  only for a load handed over in a step that computes nothing — `transfer.copies`). The step thread only polls finished loads; a block is registered
-  in the device prefix cache once its KV is really there. An arena whose block writes touch state a
+  only for a load handed over in a step that computes nothing — `transfer.copies`). The step thread
+  only polls finished loads; a block is registered in the device prefix cache once its KV is really there. An arena whose block writes touch state a
   forward uses (the quantized formats) gets the decoded blocks back, still leased, for the step
   thread to copy before the next forward (`KVTransfer(write_block=None)`);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
@@ -92,8 +92,9 @@ class _Kept(list):
 class KVTransfer:
     """One load thread (and the mover's save thread) between the engine and the tier manager.
     `write_block(block_id, kv, copies)` puts a decoded block into its device block, its host copies
-    handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy). `synchronous=True` runs every job at submission (tests,
-    debugging); results are the same, only when they happen differs."""
+    handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy).
+    `synchronous=True` runs every job at submission (tests, debugging); results are the same, only
+    when they happen differs."""
 
     def __init__(self, manager: TierManager, codec: Codec, *,
                  write_block: Callable[[int, torch.Tensor, CopyGroup], None] | None = None,
