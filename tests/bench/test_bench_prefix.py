@@ -34,4 +34,7 @@ def test_bench_prefix_json(capsys, tmp_path):
         assert row["arena_restore_gbps"] > 0
         assert row["arena_bandwidth_target_met"] == (row["arena_restore_fraction"] >= row["target_fraction"])
     assert dram["target_fraction"] == 0.8 and ssd["target_fraction"] == 0.7
+    # both DRAM restores copy on the copy threads and are held to a memcpy cut over as many
+    from kvtier.transfer.copies import copy_threads
+    assert dram["copy_threads"] == copy_threads() and ssd["copy_threads"] == 1
     assert dram["ttft_target_met"] == (dram["speedup"] >= 100)
