@@ -36,7 +36,6 @@ layer before, as the old scheme did — not yet run on a GPU).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -53,7 +52,6 @@ from kvtier.transfer import BlockMover
 from kvtier.transfer.copies import CopyGroup, copy_threads
 
 _MIN_CAPACITY_TOKENS = 256
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -348,13 +346,7 @@ class TieredCache(Cache):
         threads = copy_threads() if self._compute_device().type == "cpu" else 1
         with CopyGroup(threads) as group:
             copy = _BlockCopier([layer.buffers() for layer in self.layers], group)
-            with self.mover.restoring(match, copy.at(self.layout.block_tokens)) as restored:  # DRAM: its slots
-                try:
-                    group.finish()  # before the `with` gives the tiers' memory back
-                    tiers = restored.tiers
-                except Exception:  # noqa: BLE001 - a failed copy: compute the prompt instead
-                    log.exception("copying %d restored blocks into the cache failed; recomputing them", len(restored))
-                    tiers = []
+            tiers = self.mover.restore(match, copy.at(self.layout.block_tokens), copies=group).tiers  # DRAM: its slots
         for layer in self.layers:
             layer.set_length(len(tiers) * self.layout.block_tokens)
         return tiers

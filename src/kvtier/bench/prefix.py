@@ -53,7 +53,7 @@ class PrefixRow:
     restore_gb_s: float = 0.0
     raw_gb_s: float = 0.0
     arena_gb_s: float = 0.0   # the engine's restore: transfer worker -> its pre-touched paged arena
-    copy_threads: int = 1     # the threads both restores copied with (and the DRAM memcpy)
+    copy_threads: int = 1     # the threads the DRAM memcpy was cut over: the restores' copy threads (1: no memcpy)
 
     @property
     def restore_fraction(self) -> float:

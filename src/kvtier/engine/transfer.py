@@ -10,9 +10,10 @@ engine supplies only the destination write:
   own: no forward reads them, and the scheduler frees them only once the load has returned; on CUDA
   the copies go on a side stream; on the CPU they run on `LoadJob.copy_threads` threads, more than one
   only for a load handed over in a step that computes nothing — `transfer.copies`). The step thread
-  only polls finished loads; a block is registered in the device prefix cache once its KV is really there. An arena whose block writes touch state a
-  forward uses (the quantized formats) gets the decoded blocks back, still leased, for the step
-  thread to copy before the next forward (`KVTransfer(write_block=None)`);
+  only polls finished loads; a block is registered in the device prefix cache once its KV is really
+  there. An arena whose block writes touch state a forward uses (the quantized formats) gets the
+  decoded blocks back, still leased, for the step thread to copy before the next forward
+  (`KVTransfer(write_block=None)`);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
   step); the mover's save queue does the tier check ("does a tier still hold it?"), the encode
   (checksum) and the manager's put on its own thread, so a waiting request never queues behind
@@ -105,7 +106,6 @@ class KVTransfer:
         self.mover = BlockMover(manager, codec, synchronous=synchronous)
         self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
         self._errors = 0
-        self._blocks_not_copied = 0  # handed over by the mover, then lost to a failed copy
         self._loads: deque[LoadJob] = deque()
         self._done: deque[LoadDone] = deque()
         self._cond = threading.Condition()
@@ -120,8 +120,8 @@ class KVTransfer:
     def stats(self) -> TransferStats:
         """A snapshot (the engine's stats and metrics read these names)."""
         m = self.mover.stats
-        return TransferStats(m.num_restores, m.num_blocks_restored - self._blocks_not_copied, m.num_blocks_saved,
-                             m.restore_seconds, m.save_seconds, m.errors + self._errors)
+        return TransferStats(m.num_restores, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
+                             m.save_seconds, m.errors + self._errors)
 
     # -- the step thread ---------------------------------------------------------------------------
     def load(self, job: LoadJob) -> None:
@@ -193,15 +193,8 @@ class KVTransfer:
         on_side_stream = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         threads = job.copy_threads if self._stream is None else 1
         with on_side_stream, CopyGroup(threads) as copies:
-            with self.mover.restoring(job.match, _DeviceBlocks(self.write_block, job.block_ids, copies)) as restored:
-                try:
-                    copies.finish()
-                except Exception:  # noqa: BLE001 - a recompute, never the engine
-                    log.exception("copying %d loaded blocks of %s failed; computing them", len(restored),
-                                  job.request_id)
-                    self._errors += 1
-                    self._blocks_not_copied += len(restored)
-                    return LoadDone(job.request_id, job.block_ids, [])
+            restored = self.mover.restore(job.match, _DeviceBlocks(self.write_block, job.block_ids, copies),
+                                          copies=copies)
         if self._stream is not None:
             self._stream.synchronize()  # the KV is on the device before the sequence may run
         return LoadDone(job.request_id, job.block_ids, restored.tiers, num_written=len(restored))

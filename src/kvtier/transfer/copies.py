@@ -87,15 +87,20 @@ class CopyGroup:
     def __enter__(self) -> "CopyGroup":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.finish()
-            return
-        self._error = self._error or exc  # skip the copies not started; wait for the running ones
+    def cancel(self, reason: BaseException) -> None:
+        """Skip the copies not started, wait for the running ones; raises nothing (`reason` is the
+        error already on its way)."""
+        self._error = self._error or reason
         try:
             self.finish()
         except BaseException:  # noqa: BLE001 - the error already propagating is the one to see
             pass
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.cancel(exc)
 
     def _drain(self) -> None:
         while (task := self._tasks.get()) is not None:

@@ -9,6 +9,9 @@
   blocks before it stand. A block handed over may view a tier's memory (a leased DRAM slot, an SSD or
   Mooncake read buffer) and stays valid until the restore ends, so a sink may gather the blocks and
   write them layer by layer after the last (vLLM's layerwise loads: layer l ready before layer l+1).
+  A sink that hands its copies to a `CopyGroup` (`transfer.copies`: a restore beside no forward, on
+  several threads) passes it as `copies`: the mover finishes it before any lease ends, and a failed
+  copy restores nothing (logged, counted; the destination may be half-written, the caller computes).
 - save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into
   the manager, off the caller's step; a full queue drops the save (a future miss, counted).
   `synchronous=True` runs each save on the caller's thread.
@@ -30,6 +33,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec, CorruptBlockError
 from kvtier.tiers.manager import Leases, PrefixMatch, TierManager, VerifiedBlock, release
+from kvtier.transfer.copies import CopyGroup
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +90,14 @@ class BlockMover:
             self._saver.start()
 
     # -- restore -------------------------------------------------------------------------------------
-    def restore(self, match: PrefixMatch, sink: BlockSink) -> Restored:
-        """Stream `match` into `sink`; returns what was restored (the first blocks, maybe not all)."""
-        with self.restoring(match, sink) as restored:
+    def restore(self, match: PrefixMatch, sink: BlockSink, *, copies: CopyGroup | None = None) -> Restored:
+        """Stream `match` into `sink`; returns what was restored (the first blocks, maybe not all).
+        `copies`: the group the sink hands its copies to, finished before the blocks are let go."""
+        with self.restoring(match, sink, copies=copies) as restored:
             return restored
 
     @contextmanager
-    def restoring(self, match: PrefixMatch, sink: BlockSink) -> Iterator[Restored]:
+    def restoring(self, match: PrefixMatch, sink: BlockSink, *, copies: CopyGroup | None = None) -> Iterator[Restored]:
         """`restore`, with every block handed to the sink still valid inside the `with`: leased tier
         memory is given back at its exit (a sink that writes layer by layer does it there)."""
         start = time.perf_counter()
@@ -105,13 +110,29 @@ class BlockMover:
                     if kv is None or not self._write(sink, index, kv):
                         break
                     restored.tiers.append(block.tier)
+            if copies is not None and not self._finish(copies, len(restored)):
+                restored = Restored()
             with self._lock:
                 self.stats.num_restores += 1
                 self.stats.num_blocks_restored += len(restored)
                 self.stats.restore_seconds += time.perf_counter() - start
             yield restored
+        except BaseException as exc:
+            if copies is not None:
+                copies.cancel(exc)  # no copy may read a lease about to end
+            raise
         finally:
             release(held)
+
+    def _finish(self, copies: CopyGroup, num_blocks: int) -> bool:
+        try:
+            copies.finish()
+            return True
+        except Exception:  # noqa: BLE001 - the blocks are computed instead
+            log.exception("copying %d restored blocks into their destination failed; recomputing them", num_blocks)
+            with self._lock:
+                self.stats.errors += 1
+            return False
 
     def _decode(self, block: VerifiedBlock) -> torch.Tensor | None:
         """The block's KV, or None (logged) if it does not decode to the expected shape."""
