@@ -350,7 +350,7 @@ def test_reads_do_not_wait_behind_a_slow_write():
 def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path):
     """Blocks come STREAM_CHUNK_BLOCKS per batched get; the next chunk is read on the prefetch thread
     while the caller still holds a block of this one (an SSD read overlaps the copies)."""
-    from kvtier.tiers.manager import STREAM_CHUNK_BLOCKS
+    from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 
     m = _stack(tmp_path, dram_blocks=8)
     ssd = m.tiers[1]
@@ -375,6 +375,27 @@ def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path
     assert reads[1][0] == keys[STREAM_CHUNK_BLOCKS:] and reads[1][1].startswith("kvtier-prefetch")
     assert [bytes(b.payload) for b in stream] == blocks[1:]
     assert len(reads) == 2 and m.tiers[0].contains_many(keys) == [True] * len(keys)  # all promoted
+    m.close()
+
+
+def test_a_stream_from_a_pool_reads_larger_chunks():
+    """A pool's batched gets each pay the service's round trips: a stream over a match that reaches a pool
+    reads POOL_STREAM_CHUNK_BLOCKS per get, DRAM and SSD keep STREAM_CHUNK_BLOCKS."""
+    from kvtier.tiers.base import POOL_STREAM_CHUNK_BLOCKS, STREAM_CHUNK_BLOCKS
+
+    assert POOL_STREAM_CHUNK_BLOCKS > STREAM_CHUNK_BLOCKS
+    backend = _SlowBackend()
+    keys = [bytes([0x60 + i]) * 16 for i in range(POOL_STREAM_CHUNK_BLOCKS + 3)]
+    blocks = [get_codec("raw").encode(torch.full((1, 2, 1, 4, 4), float(i)), key) for i, key in enumerate(keys)]
+    backend.name_to_data.update((KEY_PREFIX + k.hex(), b) for k, b in zip(keys, blocks))
+    gets: list[int] = []
+    lease = backend.lease
+    backend.lease = lambda names: gets.append(len(names)) or lease(names)
+    m = TierManager([HostTier(2 * SIZE, SIZE), PoolTier("pool", backend)], backoff=FAST)
+    match = m.match(keys)
+    assert set(match.tier_indices) == {1}
+    assert [bytes(b.payload) for b in m.stream(match)] == blocks
+    assert gets == [POOL_STREAM_CHUNK_BLOCKS, 3]
     m.close()
 
 

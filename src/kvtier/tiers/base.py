@@ -7,6 +7,9 @@ from typing import Protocol
 
 from kvtier.tiers.health import TierHealth
 
+STREAM_CHUNK_BLOCKS = 4       # `TierManager.stream` reads this many blocks per batched get, one chunk ahead
+POOL_STREAM_CHUNK_BLOCKS = 8  # ... from a pool (each get pays the service's round trips)
+
 
 @dataclass(slots=True)
 class TierStats:
@@ -42,6 +45,7 @@ class Tier(Protocol):
     name: str                      # "dram", "ssd", "mooncake", "redis"
     capacity_bytes: int | None     # None: the backend owns eviction (pools)
     in_process: bool               # blocks never leave this process's memory: checked by their header only
+    stream_chunk_blocks: int       # blocks per batched get when `TierManager.stream` reads from here
     stats: TierStats
     health: TierHealth             # readable / writable, transitions, retry back-off
 

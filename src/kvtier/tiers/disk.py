@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvtier.errors import UserError
 from kvtier.lru import LRUIndex
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
 from kvtier.tiers.health import TierHealth
 from kvtier.units import fmt_bytes
@@ -74,6 +74,7 @@ def _key_of(path: Path) -> bytes | None:
 class DiskTier:
     name = "ssd"
     in_process = False  # the blocks crossed a medium (a file, maybe another process's): full payload proof
+    stream_chunk_blocks = STREAM_CHUNK_BLOCKS
 
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)

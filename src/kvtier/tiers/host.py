@@ -29,7 +29,7 @@ import torch
 
 from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify
 from kvtier.lru import LRUIndex
-from kvtier.tiers.base import TierStats
+from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth
 
@@ -47,6 +47,7 @@ def _header_matches(buf, key: bytes) -> bool:
 class HostTier:
     name = "dram"
     in_process = True  # its slots never leave this process: blocks are checked by their key-bound header
+    stream_chunk_blocks = STREAM_CHUNK_BLOCKS
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:

@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
+from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.health import HealthProber
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.writeback import WriteBack
 
 log = logging.getLogger(__name__)
-
-STREAM_CHUNK_BLOCKS = 4  # stream() fetches this many blocks per batched get, one chunk ahead
 
 Leases = list[tuple[Tier, list[bytes]]]  # (tier, keys) leased out: views valid until released
 
@@ -267,13 +266,15 @@ class TierManager:
         """`read`, block by block, for a caller that copies each block somewhere: every block is
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
         then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
-        `STREAM_CHUNK_BLOCKS` at a time, the next chunk on the prefetch thread while the caller copies
+        `stream_chunk_blocks` at a time (the largest of the tiers the match found them in), the next chunk on the prefetch thread while the caller copies
         this one, so an SSD or pool read overlaps the copies. The promotions, the deletion of bad
         blocks (among those fetched) and the end of the pins happen when the iteration ends or the
         generator is closed; so does the end of every lease — unless `hold` is given: the yielded
         blocks' leases are then appended to it (end them with `release(hold)`), so every block handed
         out stays valid until then. Past the end of the prefix nothing more is fetched."""
-        return self._blocks(match, lease, STREAM_CHUNK_BLOCKS, hold)
+        chunk = max((self.tiers[t].stream_chunk_blocks for t in set(match.tier_indices)),
+                    default=STREAM_CHUNK_BLOCKS)
+        return self._blocks(match, lease, chunk, hold)
 
     def _blocks(self, match: PrefixMatch, lease: bool, chunk_blocks: int,
                 hold: Leases | None) -> Iterator[VerifiedBlock]:
