@@ -51,7 +51,7 @@ class PoolTier:
     capacity_bytes = None
     in_process = False  # the blocks crossed the network: full payload proof
     # Each batched get pays the service's round trips and, on the TCP transport, CPU on both ends:
-    # fewer, larger gets (two chunks of 8 for a 16-block prefix, measured 2026-12-06: +3-5% restore
+    # fewer, larger gets (two chunks of 8 for a 16-block prefix, measured 2026-12-06: 3-8% faster restores
     # bandwidth over chunks of 4, docs/BENCHMARKS.md) still leave the second get overlapping the copies.
     stream_chunk_blocks = POOL_STREAM_CHUNK_BLOCKS
 
