@@ -380,9 +380,10 @@ def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path
 
 def test_a_stream_from_a_pool_reads_larger_chunks():
     """A pool's batched gets each pay the service's round trips: a stream over a match that reaches a pool
-    reads POOL_STREAM_CHUNK_BLOCKS per get, DRAM and SSD keep STREAM_CHUNK_BLOCKS."""
-    from kvtier.tiers.base import POOL_STREAM_CHUNK_BLOCKS, STREAM_CHUNK_BLOCKS
+    reads the pool's `stream_chunk_blocks` per get, DRAM and SSD keep STREAM_CHUNK_BLOCKS."""
+    from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 
+    POOL_STREAM_CHUNK_BLOCKS = PoolTier.stream_chunk_blocks
     assert POOL_STREAM_CHUNK_BLOCKS > STREAM_CHUNK_BLOCKS
     backend = _SlowBackend()
     keys = [bytes([0x60 + i]) * 16 for i in range(POOL_STREAM_CHUNK_BLOCKS + 3)]

@@ -7,8 +7,7 @@ from typing import Protocol
 
 from kvtier.tiers.health import TierHealth
 
-STREAM_CHUNK_BLOCKS = 4       # `TierManager.stream` reads this many blocks per batched get, one chunk ahead
-POOL_STREAM_CHUNK_BLOCKS = 8  # ... from a pool (each get pays the service's round trips)
+STREAM_CHUNK_BLOCKS = 4  # `TierManager.stream` reads this many blocks per batched get, one chunk ahead (DRAM, SSD)
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Protocol
 
-from kvtier.tiers.base import POOL_STREAM_CHUNK_BLOCKS, TierStats
+from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
 from kvtier.tiers.health import TierHealth
 
@@ -50,10 +50,10 @@ class Backend(Protocol):
 class PoolTier:
     capacity_bytes = None
     in_process = False  # the blocks crossed the network: full payload proof
-    # Each batched get pays the service's round trips and, on the TCP transport, CPU on both ends:
-    # fewer, larger gets (two chunks of 8 for a 16-block prefix, measured 2026-12-06: 3-8% faster restores
-    # bandwidth over chunks of 4, docs/BENCHMARKS.md) still leave the second get overlapping the copies.
-    stream_chunk_blocks = POOL_STREAM_CHUNK_BLOCKS
+    # Each batched get pays the service's round trips and, over TCP, CPU on both ends: fewer, larger gets
+    # (two of 8 for a 16-block prefix) restored 3-8% faster than gets of 4 on 2026-12-06 (docs/BENCHMARKS.md),
+    # the second get still overlapping the first's verify and copies.
+    stream_chunk_blocks = 8
 
     def __init__(self, name: str, backend: Backend, *, connect: bool = True) -> None:
         self.name = name
