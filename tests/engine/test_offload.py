@@ -4,6 +4,7 @@ Tests with a `cuda` id run the CUDA path (side stream, pinned slots) and are ski
 `make gpu-check` runs them (`-k cuda`)."""
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,7 @@ def test_offloaded_prefix_is_reused_in_place(tiny_model, long_prompts, refs, mod
     second = LLMEngine(tiny_model, engine.config, manager)
     leased = []
     pin = manager.pin_host
-    manager.pin_host = lambda key, data: leased.append(data) or pin(key, data)  # data None: pinned in place
+    manager.pin_host = lambda key, data, **kw: leased.append(data) or pin(key, data, **kw)  # None: in place
     second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
     outputs = drain(second)["b"]
     assert [t for o in outputs for t in o.new_token_ids] == refs[2]
@@ -193,6 +194,78 @@ def test_offloaded_prefix_from_the_ssd_tier_is_reused(tiny_model, long_prompts, 
     assert outputs[-1].cached_tokens_by_tier == {"ssd": cached}
     assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
     assert manager.host_tier().num_leased() == 0 and second.host_blocks_reserved == 0
+    second.close()
+    manager.close()
+
+
+def ssd_engines(tiny_model, long_prompts, refs, tmp_path):
+    """Prompt 2 computed by a first engine on DRAM + SSD; a second process's manager (new DRAM, the same
+    SSD directory), its engine with the transfer worker on its own thread."""
+    layout = tiny_model.kv_layout(BLOCK)
+    specs = ["dram:64MiB", f"ssd:{tmp_path}:64MiB"]
+    slot = get_codec("raw").max_encoded_bytes(layout)
+    config = EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * layout.block_bytes, block_tokens=BLOCK,
+                          kv_offload="exact", max_prefill_tokens=16, offload_fetch_blocks=3, synchronous_transfers=True)
+    manager = build_manager(specs, slot_bytes=slot)
+    engine = LLMEngine(tiny_model, config, manager)
+    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
+    engine.close()
+    manager.flush()
+    manager.close()
+    manager = build_manager(specs, slot_bytes=slot)
+    config.synchronous_transfers = False
+    return LLMEngine(tiny_model, config, manager), manager
+
+
+def test_offloaded_prefix_from_below_is_looked_up_once_and_read_off_the_step_thread(tiny_model, long_prompts,
+                                                                                   refs, tmp_path):
+    """The sink block and the middle blocks are found by one lookup; the SSD is read on the transfer worker
+    only (the step thread never waits on it), and the blocks read from it are not written back down."""
+    second, manager = ssd_engines(tiny_model, long_prompts, refs, tmp_path)
+    ssd = manager.tiers[1]
+    matches, reads_on_step_thread, written_down = [], [], set()
+    match = manager.match
+    manager.match = lambda keys, **kw: matches.append(len(keys)) or match(keys, **kw)
+    for name in ("lease_many", "get_many"):
+        read = getattr(ssd, name)
+        setattr(ssd, name, lambda keys, read=read: reads_on_step_thread.append(
+            threading.current_thread() is threading.main_thread()) or read(keys))
+    for name in ("contains_many", "put_many"):
+        write = getattr(ssd, name)
+        setattr(ssd, name, lambda items, write=write: written_down.update(
+            i if isinstance(i, bytes) else i[0] for i in items) or write(items))
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(second)["b"]
+    manager.flush()
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK
+    assert outputs[-1].cached_tokens_by_tier == {"ssd": cached}
+    assert matches == [len(long_prompts[2]) // BLOCK]  # sink and middle blocks: one lookup, no re-match
+    assert reads_on_step_thread and not any(reads_on_step_thread)
+    from kvtier.blocks import block_keys
+    prefix_keys = set(block_keys(second.scheduler.space, long_prompts[2][:cached]))
+    assert not prefix_keys & written_down  # read from the SSD: nothing to write back there
+    assert manager.host_tier().num_leased() == 0 and len(manager.host_tier()._pins) == 0
+    second.close()
+    manager.close()
+
+
+def test_a_request_aborted_while_its_host_blocks_load_gives_them_back(tiny_model, long_prompts, refs, tmp_path):
+    second, manager = ssd_engines(tiny_model, long_prompts, refs, tmp_path)
+    ssd, go = manager.tiers[1], threading.Event()
+    lease = ssd.lease_many
+    ssd.lease_many = lambda keys: go.wait(30) and lease(keys)
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    second.step()
+    assert second.stats().num_waiting_for_kv == 1
+    assert second.abort_request("b")
+    go.set()
+    assert second.has_unfinished_requests()  # until the load is back: it still holds blocks
+    while second.has_unfinished_requests():
+        second.step()
+    host = manager.host_tier()
+    assert host.num_leased() == 0 and len(host._pins) == 0
+    assert second.stats().num_device_blocks_used == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
 

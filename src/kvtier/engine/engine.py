@@ -33,6 +33,7 @@ from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, Offl
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.transfer import KVTransfer
+from kvtier.transfer import PinnedInHost
 from kvtier.transfer.copies import copy_threads
 
 log = logging.getLogger(__name__)
@@ -138,8 +139,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_tokens=self.max_model_tokens, eos_token_ids=eos_token_ids,
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
-            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks),
-            pin_host_prefix=self._pin_host_prefix if self.fetch is not None else None)
+            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks))
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
         self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
                                     synchronous=config.synchronous_transfers) if manager is not None else None)
@@ -290,7 +290,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         run = RunOutput()
         outputs = [self._output(seq, run) for seq in out.failed + self._execute(out, run)]
-        if not out.chunks and self.scheduler.loading:  # nothing computed: wait a little for a load to land
+        if not out.chunks and self.scheduler.loads_in_flight():  # nothing computed: wait a little for a load
             self._finish_loads(timeout_s=0.05)
         newly_full = self.scheduler.take_newly_full()
         if self.config.tier_writes == "full":
@@ -374,35 +374,17 @@ class LLMEngine:
         host.keys.append(offload.key)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
 
-    def _pin_host_prefix(self, seq: Sequence, keys: list[bytes]) -> list[str]:
-        """An offloaded sequence's cached middle blocks, in order, as its host blocks: pinned where the DRAM
-        tier holds them (written through when an earlier request computed them; checked by their key-bound
-        header; no copy); from the first it lacks, the run a lower tier holds (SSD, a pool: read once,
-        verified by their payload checksum, stored into DRAM slots and pinned). Stops at the first block
-        neither has. Returns the tier each pinned block came from."""
-        host, tiers, dram = seq.host, [], self.manager.host_tier().name
-        keys = keys[:host.reserved_blocks]
-        below: list[tuple[bytes, str]] | None = None  # the run read from the lower tiers, once
-        for i, key in enumerate(keys):
-            slot, tier = (self.manager.pin_host(key, None), dram) if below is None else (None, "")
-            if slot is None:
-                if below is None:  # (the read promotes them into DRAM: pinned there below)
-                    prefix = self.manager.read(self.manager.match(keys[i:]))
-                    below = list(zip(prefix.payloads, prefix.tiers))
-                if not below:
-                    break
-                data, tier = below.pop(0)
-                slot = self.manager.pin_host(key, data)
-                if slot is None:
-                    break
+    def _take_host_blocks(self, seq: Sequence, pinned: PinnedInHost) -> None:
+        """A load's host part, held in DRAM slots by the transfer worker: the offloaded sequence's
+        blocks after its sink blocks, in order, with their key summaries for sparse attention."""
+        host = seq.host
+        for slot, key in zip(pinned.slots, pinned.keys):
             if host.summaries is not None:
                 host.summaries[len(host.slots)] = page_summary(self.fetch.host[slot][:, 0].to(self.arena.device),
                                                                self.config.page_tokens)
             host.slots.append(slot)
             host.keys.append(key)
-            tiers.append(tier)
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
-        return tiers
 
     def _unpin(self) -> None:
         keys = self.scheduler.take_unpinned()
@@ -418,15 +400,20 @@ class LLMEngine:
         for done in self.transfer.poll(timeout_s):
             try:
                 num_loaded = done.num_written
-                if done.request_id in self.scheduler.loading:
+                seq = self.scheduler.loading.get(done.request_id)
+                if seq is not None:
                     try:
                         for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
                             self.arena.write_block(block_id, block)
                             num_loaded += 1
                     except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
                         log.exception("copying a loaded prefix into the device failed")
+                    if done.host:
+                        self._take_host_blocks(seq, done.host)
+                elif done.host:  # the request ended meanwhile: nobody attends over them
+                    self.manager.unpin_host(done.host.keys)
                 # registered only now that their KV is written
-                self.scheduler.finish_load(done.request_id, num_loaded, done.tiers)
+                self.scheduler.finish_load(done.request_id, num_loaded, done.tiers, done.host.tiers)
             finally:
                 done.release()
 

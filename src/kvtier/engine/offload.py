@@ -23,11 +23,12 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
   layer and sequence) and copies on the compute stream: not overlapped.
 
 A request whose prompt is cached starts where that computation would have left it: its sink blocks on
-the device, its middle blocks pinned where the DRAM tier holds them (no copy: the blocks an earlier
-request wrote through; `Scheduler._reuse_offloaded_prefix`); from the first one DRAM lacks, the run a
-lower tier (SSD, a pool) holds is read once, verified by its payload checksums, stored into DRAM slots
-and pinned there (`LLMEngine._pin_host_prefix`: a synchronous read in the step that admits it — a
-fraction of a second for an 8k prompt from the SSD, against a minute of prefill on this CPU).
+the device, its middle blocks held in DRAM slots. One lookup at admission finds both
+(`Scheduler._reuse_offloaded_prefix`); the transfer worker loads the sink blocks into the device and
+then holds the middle ones (`BlockMover.pin_in_host`): pinned where the DRAM tier holds them (no copy:
+the blocks an earlier request wrote through), read once from a lower tier (SSD, a pool) otherwise,
+verified by their payload checksums, stored into DRAM slots (not written back down) and pinned there.
+The sequence waits in WAITING_FOR_KV meanwhile; the step thread never reads a tier.
 
 Blocks move host -> device only; a host block never changes (it is full), so nothing moves back.
 Summaries (2 x head_dim values per layer, KV head and page) are device memory too, reported

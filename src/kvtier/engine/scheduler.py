@@ -28,9 +28,6 @@ from kvtier.tiers.manager import PrefixMatch
 
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
 MatchTiers = Callable[[list[bytes]], PrefixMatch]
-# an offloaded sequence's cached middle blocks: pin the longest run of these keys the tiers hold as host
-# blocks in `seq.host` (the engine's `_pin_host_prefix`); -> the tier each came from
-PinHostPrefix = Callable[[Sequence, list[bytes]], list[str]]
 
 DEVICE = "device"  # the tier name reported for prefix hits in the device arena
 
@@ -69,7 +66,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
                  max_prefill_tokens: int = 512, max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None,
-                 offload_window: tuple[int, int] = (1, 2), pin_host_prefix: PinHostPrefix | None = None) -> None:
+                 offload_window: tuple[int, int] = (1, 2)) -> None:
         self.block_manager = block_manager
         self.space = space
         self.block_tokens = space.layout.block_tokens
@@ -79,7 +76,6 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.prefix_caching = prefix_caching
         self.match_tiers = match_tiers if prefix_caching else None
-        self.pin_host_prefix = pin_host_prefix if prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.loading: dict[str, Sequence] = {}   # WAITING_FOR_KV: blocks allocated, a load in flight
         # blocks of loads whose request ended meanwhile: the transfer worker may still be writing
@@ -93,7 +89,6 @@ class Scheduler:
         # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (engine/offload.py)
         self.sink_blocks, self.recent_blocks = offload_window
         self._unpinned: list[bytes] = []  # host blocks of offloaded sequences that ended or were preempted
-        self._host_prefix_tiers: dict[str, list[str]] = {}  # loading offloaded sequences' pinned host blocks
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -112,7 +107,6 @@ class Scheduler:
     def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
-            self._host_prefix_tiers.pop(request_id, None)
             first = len(seq.block_keys)  # the load blocks follow the device-cached ones
             self._orphaned_loads[request_id] = seq.block_ids[first:first + seq.num_loading_blocks]
             del seq.block_ids[first:first + seq.num_loading_blocks]
@@ -127,7 +121,12 @@ class Scheduler:
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        """Work left: requests, or loads of requests that ended meanwhile (their blocks, device and
+        host, come back only when the load returns: the engine keeps stepping until then)."""
+        return bool(self.waiting or self.running or self.loading or self._orphaned_loads)
+
+    def loads_in_flight(self) -> bool:
+        return bool(self.loading or self._orphaned_loads)
 
     @property
     def num_active(self) -> int:
@@ -306,49 +305,50 @@ class Scheduler:
 
     def _reuse_offloaded_prefix(self, seq: Sequence, keys: list[bytes], out: SchedulerOutput) -> bool:
         """An offloaded sequence's cached prefix, laid out as its own computation would have left it:
-        the sink blocks on the device (cached there, or loaded from the tiers: WAITING_FOR_KV), and the
-        blocks after them as its host blocks, up to the first no tier holds (`pin_host_prefix`: pinned
-        where the DRAM tier holds them, no copy; read from below into DRAM slots otherwise). Its recent
-        window starts empty at the first block to compute. The host blocks are used only when every sink
-        block is there."""
+        the sink blocks on the device (cached there, or loaded from the tiers), and the blocks after
+        them as its host blocks, up to the first no tier holds (held in DRAM slots: pinned where the
+        DRAM tier holds them, no copy; read from below into slots otherwise). One lookup finds both,
+        split in two parts of one `LoadJob`; the transfer worker loads them while the sequence waits
+        (WAITING_FOR_KV), the host part only once every sink block is in. Its recent window starts
+        empty at the first block to compute."""
         bm, sink = self.block_manager, self.sink_blocks
         device_ids = bm.match_prefix(keys[:sink])
-        match = None
-        if self.match_tiers is not None and len(device_ids) < sink:
-            match = self.match_tiers(keys[len(device_ids):sink]) or None
-        num_sink = len(device_ids) + (len(match) if match is not None else 0)
-        host_tiers = self.pin_host_prefix(seq, keys[sink:]) if num_sink == sink and self.pin_host_prefix else []
-        num_host = len(host_tiers)
+        keys = keys[:sink + seq.host.reserved_blocks]
+        match = self.match_tiers(keys[len(device_ids):]) if self.match_tiers is not None else None
+        host_match = None
+        if match is not None and len(device_ids) + len(match) > sink:
+            num_device = sink - len(device_ids)
+            match, host_match = match.part(0, num_device), match.part(num_device)
         for block_id in device_ids:
             bm.acquire(block_id)
-        new_ids = [self._allocate(out) for _ in range(num_sink - len(device_ids))]
-        seq.block_ids = device_ids + new_ids + [-1] * num_host
+        new_ids = [self._allocate(out) for _ in range(len(match) if match is not None else 0)]
+        seq.block_ids = device_ids + new_ids
         seq.block_keys = keys[:len(device_ids)]
         seq.num_computed_tokens = len(device_ids) * self.block_tokens
         self._count_hits(seq, [DEVICE] * len(device_ids))
-        if match is not None:
-            seq.num_loading_blocks = len(new_ids)
-            out.loads.append(LoadJob(seq.request_id, match, new_ids))
-            seq.status = SeqStatus.WAITING_FOR_KV
-            self.loading[seq.request_id] = seq
-            if num_host:
-                self._host_prefix_tiers[seq.request_id] = host_tiers
+        if not new_ids and host_match is None:
+            self._start_running(seq)
             return True
-        self._host_prefix_ready(seq, host_tiers)
-        self._start_running(seq)
+        seq.num_loading_blocks = len(new_ids)
+        out.loads.append(LoadJob(seq.request_id, match, new_ids, host_match=host_match))
+        seq.status = SeqStatus.WAITING_FOR_KV
+        self.loading[seq.request_id] = seq
         return True
 
     def _host_prefix_ready(self, seq: Sequence, tiers: list[str]) -> None:
-        """Its sink blocks are on the device: the pinned host blocks after them count as computed."""
-        if tiers:
-            seq.block_keys = self._keys(seq, len(seq.block_keys) + len(tiers))
-            seq.num_computed_tokens = len(seq.block_keys) * self.block_tokens
-            self._count_hits(seq, tiers)
+        """Its sink blocks are on the device: the host blocks held after them count as computed."""
+        seq.block_ids += [-1] * len(tiers)  # not on the device: in `seq.host`
+        seq.block_keys = self._keys(seq, len(seq.block_keys) + len(tiers))
+        seq.num_computed_tokens = len(seq.block_keys) * self.block_tokens
+        self._count_hits(seq, tiers)
 
-    def finish_load(self, request_id: str, num_loaded: int, tiers: list[str]) -> Sequence | None:
+    def finish_load(self, request_id: str, num_loaded: int, tiers: list[str],
+                    host_tiers: list[str] | None = None) -> Sequence | None:
         """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
         came back bad or missing: they are computed). Registers them and makes the sequence RUNNING;
-        None if the request ended meanwhile (then the blocks the load was writing are freed now)."""
+        None if the request ended meanwhile (then the blocks the load was writing are freed now).
+        An offloaded sequence's host blocks (already in `seq.host`, from `host_tiers`) count once its
+        sink blocks are all in; else they are let go."""
         orphaned = self._orphaned_loads.pop(request_id, None)
         if orphaned is not None:
             self.block_manager.release(orphaned)
@@ -364,12 +364,10 @@ class Scheduler:
         self._count_hits(seq, tiers[:num_loaded])
         if seq.host is not None and seq.host.keys:  # an offloaded prefix: its host blocks follow the sinks
             if len(keys) == self.sink_blocks:
-                self._host_prefix_ready(seq, self._host_prefix_tiers.pop(seq.request_id, []))
+                self._host_prefix_ready(seq, list(host_tiers or []))
             else:  # a sink block came back bad: the prefix ends there, the host blocks are not used
-                self._host_prefix_tiers.pop(seq.request_id, None)
                 self._unpinned += seq.host.keys
                 seq.host.slots, seq.host.keys = [], []
-                seq.block_ids = [b for b in seq.block_ids if b >= 0]
         self._start_running(seq)
         return seq
 

@@ -13,7 +13,10 @@ engine supplies only the destination write:
   only polls finished loads; a block is registered in the device prefix cache once its KV is really
   there. An arena whose block writes touch state a forward uses (the quantized formats) gets the
   decoded blocks back, still leased, for the step thread to copy before the next forward
-  (`KVTransfer(write_block=None)`);
+  (`KVTransfer(write_block=None)`). A load of an offloaded sequence (longer than the device) also
+  holds the blocks after its sink blocks in DRAM slots (`LoadJob.host_match`, `BlockMover.pin_in_host`:
+  read from below once, stored and pinned there), once its device blocks are all in; the step thread
+  takes the slots from the `LoadDone` (or unpins them, for a request that ended meanwhile);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
   step); the mover's save queue does the tier check ("does a tier still hold it?"), the encode
   (checksum) and the manager's put on its own thread, so a waiting request never queues behind
@@ -35,7 +38,7 @@ import torch
 
 from kvtier.codecs import Codec
 from kvtier.tiers.manager import PrefixMatch, TierManager
-from kvtier.transfer import BlockMover
+from kvtier.transfer import BlockMover, PinnedInHost
 from kvtier.transfer.copies import CopyGroup
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,9 @@ class LoadJob:
     match: PrefixMatch          # the tier blocks to read, in prefix order
     block_ids: list[int]        # the device blocks they go to (one each)
     copy_threads: int = 1       # threads its copies may use (more only when no forward runs beside it)
+    # an offloaded sequence's blocks after its sinks (the same lookup, split): held in DRAM slots once
+    # every device block above is in (else only unpinned)
+    host_match: PrefixMatch | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class LoadDone:
     num_written: int = 0        # the first blocks, already in the device blocks (written by the worker)
     blocks: list[torch.Tensor] = field(default_factory=list)  # the rest, decoded [L, 2, H, T, D], to copy
     release: Callable[[], None] = lambda: None  # call once `blocks` are copied: they may view DRAM slots
+    host: PinnedInHost = field(default_factory=PinnedInHost)  # the host_match's blocks, pinned in DRAM slots
 
 
 @dataclass(slots=True)
@@ -176,11 +183,16 @@ class KVTransfer:
             job = self._loads.popleft()
             self._busy += 1
         try:
-            done = self._write_load(job) if self.write_block is not None else self._decode_load(job)
+            if not job.match:  # a host part only: the sink blocks are on the device already
+                done = LoadDone(job.request_id, job.block_ids, [])
+            else:
+                done = self._write_load(job) if self.write_block is not None else self._decode_load(job)
         except Exception:  # noqa: BLE001 - a failed transfer costs a recompute, never the engine
             log.exception("kv transfer failed")
             self._errors += 1
             done = LoadDone(job.request_id, job.block_ids, [])
+        if job.host_match is not None:
+            done.host = self._pin_in_host(job.host_match, whole=len(done.tiers) == len(job.block_ids))
         with self._cond:
             self._done.append(done)
             self._busy -= 1
@@ -198,6 +210,19 @@ class KVTransfer:
         if self._stream is not None:
             self._stream.synchronize()  # the KV is on the device before the sequence may run
         return LoadDone(job.request_id, job.block_ids, restored.tiers, num_written=len(restored))
+
+    def _pin_in_host(self, match: PrefixMatch, *, whole: bool) -> PinnedInHost:
+        """The host part of a load, when the device part came in whole (the host blocks follow the
+        sink blocks: without them they are of no use); its pins end either way."""
+        try:
+            if whole:
+                return self.mover.pin_in_host(match)
+        except Exception:  # noqa: BLE001 - the sequence computes them
+            log.exception("holding a loaded prefix in host memory failed")
+            self._errors += 1
+        finally:
+            self.manager.unpin(match)  # idempotent: the stream ended them already
+        return PinnedInHost()
 
     def _decode_load(self, job: LoadJob) -> LoadDone:
         """The decoded blocks, still leased (DRAM blocks stay in place), for the step thread to copy."""

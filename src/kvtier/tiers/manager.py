@@ -55,6 +55,12 @@ class PrefixMatch:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def part(self, start: int, stop: int | None = None) -> "PrefixMatch":
+        """Blocks [start, stop) of the match, their pins with them: one lookup split between two loads
+        (an offloaded sequence's sink blocks for the device, the rest for host memory)."""
+        return PrefixMatch(self.keys[start:stop], self.tier_indices[start:stop], self.tiers[start:stop],
+                           self.pinned[start:stop])
+
 
 @dataclass(slots=True)
 class Prefix:
@@ -398,20 +404,24 @@ class TierManager:
         top = self.tiers[0]
         return top if isinstance(top, HostTier) else None
 
-    def pin_host(self, key: bytes, data: bytes | None) -> int | None:
+    def pin_host(self, key: bytes, data: bytes | memoryview | None, *, from_below: bool = False) -> int | None:
         """Hold `key`'s block in a DRAM slot until `unpin_host([key])`: its slot, or None when it cannot
         be held (no DRAM tier, every slot pinned). A block DRAM already holds (written through when it
-        was computed) is pinned where it is, checked by its key-bound header; else `data` is stored.
-        Blocks evicted to make room are demoted like any eviction."""
+        was computed) is pinned where it is, checked by its key-bound header; else `data` is stored and
+        written through, as `put_many` — unless it was read from a lower tier (`from_below`): then
+        that tier holds it already, and its eviction will copy nothing out. Blocks evicted to make room
+        are demoted like any eviction."""
         host = self.host_tier()
         if host is None:
             return None
         with self._write_locks[id(host)], self._read_locks[id(host)]:
             slot, evicted = host.pin_resident(key, data)
+            if slot is not None and data is not None and from_below:
+                host.placed_below([key])
         # demotion of what made room (a block placed below already comes back as its key alone)
         self._writeback.submit([(k, d) for k, d in evicted if d is not None], through=False)
-        if slot is not None and data is not None:
-            self._writeback.submit([(key, data)], through=True)  # write-through, as put_many
+        if slot is not None and data is not None and not from_below:
+            self._writeback.submit([(key, data)], through=True)
         return slot
 
     def host_payloads(self, dtype, shape: tuple[int, ...]):

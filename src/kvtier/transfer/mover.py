@@ -12,6 +12,10 @@
   A sink that hands its copies to a `CopyGroup` (`transfer.copies`: a restore beside no forward, on
   several threads) passes it as `copies`: the mover finishes it before any lease ends, and a failed
   copy restores nothing (logged, counted; the destination may be half-written, the caller computes).
+- host (`pin_in_host(match)`): the middle blocks of a sequence longer than the device live in this
+  process's DRAM slots, encoded as the DRAM tier keeps them (`engine/offload.py`). The same stream,
+  no decode: a block DRAM holds is pinned where it is; one read from below (its payload proven) is
+  stored into a slot, not written back down, and pinned there (`TierManager.pin_host`).
 - save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into
   the manager, off the caller's step; a full queue drops the save (a future miss, counted).
   `synchronous=True` runs each save on the caller's thread.
@@ -52,6 +56,18 @@ class Restored:
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+
+@dataclass(slots=True)
+class PinnedInHost:
+    """What `pin_in_host` holds in DRAM slots: the first `len(slots)` blocks of the match."""
+
+    slots: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # the tier each came from
+
+    def __len__(self) -> int:
+        return len(self.slots)
 
 
 @dataclass(slots=True)
@@ -123,6 +139,31 @@ class BlockMover:
             raise
         finally:
             release(held)
+
+    def pin_in_host(self, match: PrefixMatch) -> PinnedInHost:
+        """Hold `match`'s blocks in this process's DRAM slots, in order, each until the caller's
+        `TierManager.unpin_host`. Ends at the first block missing, bad, or that no slot can hold."""
+        start = time.perf_counter()
+        pinned = PinnedInHost()
+        host = self.manager.host_tier()
+        try:
+            with closing(self.manager.stream(match)) as blocks:
+                for block in blocks:
+                    here = host is not None and block.tier == host.name
+                    slot = self.manager.pin_host(block.key, None if here else block.payload, from_below=not here)
+                    if slot is None:
+                        break
+                    pinned.slots.append(slot)
+                    pinned.keys.append(block.key)
+                    pinned.tiers.append(block.tier)
+        except BaseException:
+            self.manager.unpin_host(pinned.keys)  # nobody takes them
+            raise
+        with self._lock:
+            self.stats.num_restores += 1
+            self.stats.num_blocks_restored += len(pinned)
+            self.stats.restore_seconds += time.perf_counter() - start
+        return pinned
 
     def _finish(self, copies: CopyGroup, num_blocks: int) -> bool:
         try:
