@@ -171,33 +171,6 @@ def test_offloaded_prefix_is_reused_in_place(tiny_model, long_prompts, refs, mod
     manager.close()
 
 
-def test_offloaded_prefix_from_the_ssd_tier_is_reused(tiny_model, long_prompts, refs, tmp_path):
-    """A second process (new DRAM, the same SSD directory): the sink block is loaded from the SSD, the
-    middle blocks read from it once (payload checksums), stored into DRAM slots and pinned there."""
-    layout = tiny_model.kv_layout(BLOCK)
-    specs = ["dram:64MiB", f"ssd:{tmp_path}:64MiB"]
-    slot = get_codec("raw").max_encoded_bytes(layout)
-    config = EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * layout.block_bytes, block_tokens=BLOCK,
-                          kv_offload="exact", max_prefill_tokens=16, offload_fetch_blocks=3, synchronous_transfers=True)
-    manager = build_manager(specs, slot_bytes=slot)
-    engine = LLMEngine(tiny_model, config, manager)
-    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
-    engine.close()
-    manager.flush()
-    manager.close()
-    manager = build_manager(specs, slot_bytes=slot)
-    second = LLMEngine(tiny_model, config, manager)
-    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
-    outputs = drain(second)["b"]
-    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
-    cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK
-    assert outputs[-1].cached_tokens_by_tier == {"ssd": cached}
-    assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
-    assert manager.host_tier().num_leased() == 0 and second.host_blocks_reserved == 0
-    second.close()
-    manager.close()
-
-
 def ssd_engines(tiny_model, long_prompts, refs, tmp_path):
     """Prompt 2 computed by a first engine on DRAM + SSD; a second process's manager (new DRAM, the same
     SSD directory), its engine with the transfer worker on its own thread."""
@@ -217,10 +190,11 @@ def ssd_engines(tiny_model, long_prompts, refs, tmp_path):
     return LLMEngine(tiny_model, config, manager), manager
 
 
-def test_offloaded_prefix_from_below_is_looked_up_once_and_read_off_the_step_thread(tiny_model, long_prompts,
-                                                                                   refs, tmp_path):
-    """The sink block and the middle blocks are found by one lookup; the SSD is read on the transfer worker
-    only (the step thread never waits on it), and the blocks read from it are not written back down."""
+def test_offloaded_prefix_from_the_ssd_tier_is_reused(tiny_model, long_prompts, refs, tmp_path):
+    """A second process (new DRAM, the same SSD directory): the sink block and the middle blocks are found
+    by one lookup; the transfer worker loads the sink block into the device and reads the middle blocks
+    once (payload checksums) into DRAM slots, pinned there — the step thread never reads the SSD — and
+    they are not written back down."""
     second, manager = ssd_engines(tiny_model, long_prompts, refs, tmp_path)
     ssd = manager.tiers[1]
     matches, reads_on_step_thread, written_down = [], [], set()
@@ -240,6 +214,7 @@ def test_offloaded_prefix_from_below_is_looked_up_once_and_read_off_the_step_thr
     assert [t for o in outputs for t in o.new_token_ids] == refs[2]
     cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK
     assert outputs[-1].cached_tokens_by_tier == {"ssd": cached}
+    assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
     assert matches == [len(long_prompts[2]) // BLOCK]  # sink and middle blocks: one lookup, no re-match
     assert reads_on_step_thread and not any(reads_on_step_thread)
     from kvtier.blocks import block_keys
