@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 class RunOutput:
     token_ids: dict[str, int] = field(default_factory=dict)  # request id -> the token sampled for it
     errors: dict[str, str] = field(default_factory=dict)     # request id -> why it could not be sampled
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # request id -> its sampled token's (logprobs asked)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # request id -> its sampled token's (if asked)
     # request id -> (position p, logprobs of prompt tokens p+1, p+2, ...) computed this step (prompt_logprobs asked)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 

@@ -17,8 +17,9 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
   of P tokens (`EngineConfig.offload_page_tokens`; P = T: a page is the block). At each decode step and
   layer, a per-page summary kept on the device (per-channel min, max and mean of the page's keys) scores
   the host pages for each KV head: half Quest's bound of q.k over the page (min/max: no key of it scores
-  more), half q . its mean key (`quest_scores`, `BOUND_WEIGHT`), the max over its group's query heads; only the top pages of each head are fetched (a head's K and V of a page are P x D
-  contiguous in the slot: one copy each). Prefill chunks are always exact. The pick is made on the device
+  more), half q . its mean key (`quest_scores`, `BOUND_WEIGHT`), the max over its group's query heads; only
+  the top pages of each head are fetched (a head's K and V of a page are P x D contiguous in the slot: one
+  copy each). Prefill chunks are always exact. The pick is made on the device
   and the copies are issued by the host, so on CUDA a sparse layer reads its selection back (one sync per
   layer and sequence) and copies on the compute stream: not overlapped.
 

@@ -48,7 +48,7 @@ class SchedulerOutput:
     loads: list[LoadJob] = field(default_factory=list)                    # tier blocks -> device blocks (async)
     preempted: list[str] = field(default_factory=list)                    # request ids sent back to waiting
     failed: list[Sequence] = field(default_factory=list)                  # refused at admission (finished: error)
-    offloads: list[Offload] = field(default_factory=list)                 # device blocks -> host memory (before the forward)
+    offloads: list[Offload] = field(default_factory=list)                 # device -> host memory, before the forward
 
 
 @dataclass(slots=True)
@@ -437,7 +437,8 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         # EOS and stop_token_ids are masked for the first min_tokens tokens (ModelRunner._bias)
-        if seq.num_generated_tokens > seq.sampling.min_tokens and (token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids)):
+        stops = token in seq.sampling.stop_token_ids or (not seq.sampling.ignore_eos and token in self.eos_token_ids)
+        if seq.num_generated_tokens > seq.sampling.min_tokens and stops:
             return "stop"
         if seq.num_generated_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_tokens:
             return "length"

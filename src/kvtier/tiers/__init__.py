@@ -44,4 +44,5 @@ def make_tier(spec: str | TierSpec, *, slot_bytes: int) -> Tier:
     return redis_tier(spec.url)
 
 
-__all__ = ["Backoff", "DiskTier", "HostTier", "SharedMemoryTier", "Tier", "TierHealth", "TierSpec", "TierStats", "make_tier"]
+__all__ = ["Backoff", "DiskTier", "HostTier", "SharedMemoryTier", "Tier", "TierHealth", "TierSpec", "TierStats",
+           "make_tier"]

@@ -289,7 +289,8 @@ class HostTier:
         slots = set(self._key_to_slot.values())
         return (len(slots) == len(self._key_to_slot) == len(self._lru)
                 and len(slots) + len(self._free_slots) + len(self._orphans) == self.num_slots
-                and slots.isdisjoint(self._free_slots) and slots.isdisjoint(self._orphans) and all(key in self._lru for key in self._key_to_slot))
+                and slots.isdisjoint(self._free_slots) and slots.isdisjoint(self._orphans)
+                and all(key in self._lru for key in self._key_to_slot))
 
     def close(self) -> None:
         pass

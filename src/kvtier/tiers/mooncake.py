@@ -218,7 +218,8 @@ def parse_spec(spec: str | TierSpec) -> MooncakeBackend:
     options, host = spec.options, spec.url.rpartition(":")[0]
     return MooncakeBackend(
         spec.url, options.get("metadata", f"http://{host}:8080/metadata"),
-        segment_bytes=parse_bytes(options.get("segment", "0")), buffer_bytes=parse_bytes(options.get("buffer", "256MiB")),
+        segment_bytes=parse_bytes(options.get("segment", "0")),
+        buffer_bytes=parse_bytes(options.get("buffer", "256MiB")),
         protocol=options.get("protocol", "tcp"), device=options.get("device", ""), local_hostname=options.get("local"))
 
 

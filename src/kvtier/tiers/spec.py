@@ -70,7 +70,8 @@ def _mooncake(spec: str, rest: str) -> TierSpec:
     url = urlsplit("//" + rest.removeprefix("//"))
     master = _host_port(url)
     if master is None:
-        raise ConfigError(f"mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; got {spec!r}")
+        raise ConfigError("mooncake tier spec needs the master's host:port, e.g. mooncake://127.0.0.1:50051; "
+                          f"got {spec!r}")
     options = {k: v[-1] for k, v in parse_qs(url.query).items()}
     unknown = set(options) - set(MOONCAKE_OPTIONS)
     if unknown:
