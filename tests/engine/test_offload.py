@@ -233,7 +233,12 @@ def test_a_request_aborted_while_its_host_blocks_load_gives_them_back(tiny_model
     second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
     second.step()
     assert second.stats().num_waiting_for_kv == 1
+    reserved = second.host_blocks_reserved
     assert second.abort_request("b")
+    # until the load is back it may still pin host slots: its room stays taken, its id too
+    assert second.host_blocks_reserved == reserved > 0
+    with pytest.raises(ValueError, match="already in the engine"):
+        second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
     go.set()
     assert second.has_unfinished_requests()  # until the load is back: it still holds blocks
     while second.has_unfinished_requests():
@@ -262,6 +267,30 @@ def test_offloaded_prefix_with_a_bad_sink_block_is_computed(tiny_model, long_pro
     assert outputs[-1].num_cached_tokens == 0
     assert second.num_tokens_computed == len(long_prompts[2]) + NEW - 1
     assert host.stats.corrupt > 0 and host.num_leased() == 0 and second.host_blocks_reserved == 0
+    assert len(host._pins) == 0  # the middle blocks' lookup pins ended too (their load never ran)
+    second.close()
+    manager.close()
+
+
+def test_host_blocks_that_cannot_be_taken_are_given_back_and_computed(tiny_model, long_prompts, refs):
+    """Taking a load's host blocks fails on the step thread (their sparse summaries: device memory): the
+    slots go back, the sequence computes from after its sink block, its tokens are still exact."""
+    engine, manager = make(tiny_model, "sparse:1000", synchronous_transfers=True)
+    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
+    engine.close()
+    second = LLMEngine(tiny_model, engine.config, manager)
+
+    def fail(seq, pinned):
+        raise RuntimeError("out of device memory")
+
+    second._take_host_blocks = fail
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(second)["b"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    assert outputs[-1].num_cached_tokens == BLOCK  # the sink block only
+    assert second.num_tokens_computed == len(long_prompts[2]) - BLOCK + NEW - 1
+    host = manager.host_tier()
+    assert host.num_leased() == 0 and len(host._pins) == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
 

@@ -32,7 +32,7 @@ from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, Offl
                                    parse_offload)
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
-from kvtier.engine.transfer import KVTransfer
+from kvtier.engine.transfer import KVTransfer, LoadDone
 from kvtier.transfer import PinnedInHost
 from kvtier.transfer.copies import copy_threads
 
@@ -147,6 +147,7 @@ class LLMEngine:
         self.step_tier_io_seconds = 0.0
         self.num_tokens_computed = 0
         self.host_blocks_reserved = 0
+        self._room_held_by_loads: dict[str, int] = {}  # ended offloaded requests' host room, until their load is back
         self.offload_fetched_bytes = 0
         self.offload_fetch_seconds = 0.0
 
@@ -172,7 +173,7 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     namespace: str = "") -> None:
-        if request_id in self._seqs:
+        if request_id in self._seqs or self.scheduler.has_load_in_flight(request_id):
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self.check_request(len(prompt_token_ids), sampling.max_tokens)
         outside = [t for t in [*prompt_token_ids, *sampling.token_ids_used()] if not 0 <= t < self.vocab_size]
@@ -345,15 +346,17 @@ class LLMEngine:
     def _move_blocks(self, out: SchedulerOutput) -> None:
         # blocks leaving an offloaded sequence's device window go to host memory before anything
         # reuses their slots; an evicted block is copied out before the forward writes into its slot.
-        for offload in out.offloads:
-            self._offload_block(offload)
-        # Tier loads only read the tiers now; their blocks are written by a later step's _finish_loads.
-        # A load beside no forward (this step computes nothing) copies on the cores torch may use; one
-        # beside a forward copies on one, leaving the forward's intra-op threads their cores.
-        threads = copy_threads() if not out.chunks else 1
-        for job in out.loads:
-            job.copy_threads = threads
-            self.transfer.load(job)
+        try:
+            for offload in out.offloads:
+                self._offload_block(offload)
+        finally:  # a failed offload fails this step's sequences, never the loads of the waiting ones
+            # Tier loads only read the tiers now; their blocks are written by a later step's _finish_loads.
+            # A load beside no forward (this step computes nothing) copies on the cores torch may use; one
+            # beside a forward copies on one, leaving the forward's intra-op threads their cores.
+            threads = copy_threads() if not out.chunks else 1
+            for job in out.loads:
+                job.copy_threads = threads
+                self.transfer.load(job)
         # "full": evicted blocks were written when computed; only those the tiers no longer hold go again
         self._write_to_tiers(out.evicted, skip_held=self.config.tier_writes == "full")
 
@@ -376,14 +379,16 @@ class LLMEngine:
 
     def _take_host_blocks(self, seq: Sequence, pinned: PinnedInHost) -> None:
         """A load's host part, held in DRAM slots by the transfer worker: the offloaded sequence's
-        blocks after its sink blocks, in order, with their key summaries for sparse attention."""
+        blocks after its sink blocks, in order, with their key summaries for sparse attention. All or
+        nothing: the summaries (device memory) are made before any block is taken."""
         host = seq.host
-        for slot, key in zip(pinned.slots, pinned.keys):
-            if host.summaries is not None:
-                host.summaries[len(host.slots)] = page_summary(self.fetch.host[slot][:, 0].to(self.arena.device),
-                                                               self.config.page_tokens)
-            host.slots.append(slot)
-            host.keys.append(key)
+        if host.summaries is not None:
+            summaries = [page_summary(self.fetch.host[slot][:, 0].to(self.arena.device), self.config.page_tokens)
+                         for slot in pinned.slots]
+            for i, summary in enumerate(summaries):
+                host.summaries[len(host.slots) + i] = summary
+        host.slots += pinned.slots
+        host.keys += pinned.keys
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
 
     def _unpin(self) -> None:
@@ -394,28 +399,40 @@ class LLMEngine:
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Let the scheduler run the sequences whose tier loads finished. Blocks the worker returned
         decoded (arenas that take block writes on this thread only) are copied in first, never during
-        a forward. A load for a request that ended meanwhile only frees its blocks (finish_load)."""
+        a forward. A load for a request that ended meanwhile only frees its blocks (finish_load), its
+        host slots and its host room."""
         if self.transfer is None:
             return
         for done in self.transfer.poll(timeout_s):
             try:
-                num_loaded = done.num_written
-                seq = self.scheduler.loading.get(done.request_id)
-                if seq is not None:
-                    try:
-                        for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
-                            self.arena.write_block(block_id, block)
-                            num_loaded += 1
-                    except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
-                        log.exception("copying a loaded prefix into the device failed")
-                    if done.host:
-                        self._take_host_blocks(seq, done.host)
-                elif done.host:  # the request ended meanwhile: nobody attends over them
-                    self.manager.unpin_host(done.host.keys)
-                # registered only now that their KV is written
-                self.scheduler.finish_load(done.request_id, num_loaded, done.tiers, done.host.tiers)
+                self._finish_load(done)
+            except Exception:  # noqa: BLE001 — a scheduler bug; the other loads still finish
+                log.exception("finishing the tier load of request %s failed", done.request_id)
             finally:
                 done.release()
+
+    def _finish_load(self, done: LoadDone) -> None:
+        num_loaded, host, host_tiers = done.num_written, done.host, []
+        seq = self.scheduler.loading.get(done.request_id)
+        if seq is None:  # the request ended meanwhile: nobody attends over its host blocks
+            self.host_blocks_reserved -= self._room_held_by_loads.pop(done.request_id, 0)
+        else:
+            try:
+                for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
+                    self.arena.write_block(block_id, block)
+                    num_loaded += 1
+            except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
+                log.exception("copying a loaded prefix into the device failed")
+            if host and num_loaded == len(done.block_ids):  # the host blocks follow a whole sink
+                try:
+                    self._take_host_blocks(seq, host)
+                    host_tiers = host.tiers
+                except Exception:  # noqa: BLE001 — computed instead
+                    log.exception("taking a loaded prefix's host blocks failed")
+        if host and not host_tiers:
+            self.manager.unpin_host(host.keys)
+        # registered only now that their KV is written
+        self.scheduler.finish_load(done.request_id, num_loaded, done.tiers, host_tiers)
 
     def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
         """Copy device blocks out of the arena and hand them to the transfer worker, which encodes and
@@ -459,7 +476,10 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         self.runner.forget(request_id)
         if seq is not None and seq.host is not None:
-            self.host_blocks_reserved -= seq.host.reserved_blocks
+            if self.scheduler.has_load_in_flight(request_id):  # it may still pin host slots: room kept till then
+                self._room_held_by_loads[request_id] = seq.host.reserved_blocks
+            else:
+                self.host_blocks_reserved -= seq.host.reserved_blocks
             self.offload_fetched_bytes += seq.host.stats.fetched_bytes
             self.offload_fetch_seconds += seq.host.stats.fetch_seconds
             seq.host.reserved_blocks = 0
@@ -483,6 +503,9 @@ class LLMEngine:
         """Finish pending tier writes and stop the transfer worker (the manager stays open)."""
         if self.transfer is not None:
             self.transfer.close()
+            for done in self.transfer.poll():  # loads nobody will run: their leases and host slots go back
+                self.manager.unpin_host(done.host.keys)
+                done.release()
         if self.fetch is not None:
             self.fetch.close()
 

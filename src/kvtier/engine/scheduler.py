@@ -128,6 +128,10 @@ class Scheduler:
     def loads_in_flight(self) -> bool:
         return bool(self.loading or self._orphaned_loads)
 
+    def has_load_in_flight(self, request_id: str) -> bool:
+        """Whether a load for this request id (running or ended) has not come back yet."""
+        return request_id in self.loading or request_id in self._orphaned_loads
+
     @property
     def num_active(self) -> int:
         """Sequences holding device blocks for their whole prompt: running, or loading their prefix."""
@@ -343,7 +347,7 @@ class Scheduler:
         self._count_hits(seq, tiers)
 
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str],
-                    host_tiers: list[str] | None = None) -> Sequence | None:
+                    host_tiers: list[str]) -> Sequence | None:
         """The transfer worker filled the first `num_loaded` of the sequence's load blocks (the rest
         came back bad or missing: they are computed). Registers them and makes the sequence RUNNING;
         None if the request ended meanwhile (then the blocks the load was writing are freed now).
@@ -364,7 +368,7 @@ class Scheduler:
         self._count_hits(seq, tiers[:num_loaded])
         if seq.host is not None and seq.host.keys:  # an offloaded prefix: its host blocks follow the sinks
             if len(keys) == self.sink_blocks:
-                self._host_prefix_ready(seq, list(host_tiers or []))
+                self._host_prefix_ready(seq, list(host_tiers))
             else:  # a sink block came back bad: the prefix ends there, the host blocks are not used
                 self._unpinned += seq.host.keys
                 seq.host.slots, seq.host.keys = [], []

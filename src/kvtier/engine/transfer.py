@@ -190,6 +190,7 @@ class KVTransfer:
         except Exception:  # noqa: BLE001 - a failed transfer costs a recompute, never the engine
             log.exception("kv transfer failed")
             self._errors += 1
+            self.manager.unpin(job.match)  # idempotent: ended already if its stream had started
             done = LoadDone(job.request_id, job.block_ids, [])
         if job.host_match is not None:
             done.host = self._pin_in_host(job.host_match, whole=len(done.tiers) == len(job.block_ids))

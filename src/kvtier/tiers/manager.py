@@ -414,7 +414,7 @@ class TierManager:
         host = self.host_tier()
         if host is None:
             return None
-        with self._write_locks[id(host)], self._read_locks[id(host)]:
+        with self._read_locks[id(host)], self._write_locks[id(host)]:  # the order the health prober takes them
             slot, evicted = host.pin_resident(key, data)
             if slot is not None and data is not None and from_below:
                 host.placed_below([key])

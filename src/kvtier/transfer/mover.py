@@ -72,7 +72,7 @@ class PinnedInHost:
 
 @dataclass(slots=True)
 class MoverStats:
-    num_restores: int = 0
+    num_restores: int = 0           # into a sink, and `pin_in_host` holds (each its own)
     num_blocks_restored: int = 0
     restore_seconds: float = 0.0    # reading, verifying, decoding and the sink's writes
     num_blocks_saved: int = 0
