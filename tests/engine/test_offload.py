@@ -272,6 +272,29 @@ def test_offloaded_prefix_with_a_bad_sink_block_is_computed(tiny_model, long_pro
     manager.close()
 
 
+def test_offloaded_prefix_with_part_of_its_sinks_on_the_device(tiny_model, long_prompts, refs):
+    """Two sink blocks, the first cached on the device (a short request computed it), the second and the
+    middle blocks in DRAM: one lookup from the second block on, split between the device and host memory."""
+    engine, manager = make(tiny_model, synchronous_transfers=True, offload_sink_blocks=2)
+    assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
+    engine.close()
+    second = LLMEngine(tiny_model, engine.config, manager)
+    second.generate([long_prompts[2][:BLOCK + 4]], SamplingParams(max_tokens=1))  # block 0 on the device
+    matches = []
+    match = manager.match
+    manager.match = lambda keys, **kw: matches.append(len(keys)) or match(keys, **kw)
+    second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
+    outputs = drain(second)["b"]
+    assert [t for o in outputs for t in o.new_token_ids] == refs[2]
+    cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK
+    assert outputs[-1].cached_tokens_by_tier == {"device": BLOCK, "dram": cached - BLOCK}
+    assert matches == [len(long_prompts[2]) // BLOCK - 1]
+    host = manager.host_tier()
+    assert host.num_leased() == 0 and len(host._pins) == 0 and second.host_blocks_reserved == 0
+    second.close()
+    manager.close()
+
+
 def test_host_blocks_that_cannot_be_taken_are_given_back_and_computed(tiny_model, long_prompts, refs):
     """Taking a load's host blocks fails on the step thread (their sparse summaries: device memory): the
     slots go back, the sequence computes from after its sink block, its tokens are still exact."""

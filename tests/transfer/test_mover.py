@@ -101,6 +101,25 @@ def test_pin_in_host_holds_dram_blocks_in_place_and_stores_verified_ones_from_be
     assert dram.num_leased() == 0
 
 
+def test_pin_in_host_stops_where_dram_has_no_slot_left(tmp_path):
+    """Every DRAM slot but one held by other sequences: one block is held, the stream ends there, and the
+    lookup's pins and the SSD's read buffers are all given back."""
+    dram, ssd = HostTier(4 * SLOT, SLOT), DiskTier(tmp_path, 64 * SLOT)
+    manager = TierManager([dram, ssd], async_writes=False)
+    ssd.put_many([(key, CODEC.encode(block, key)) for key, block in zip(KEYS, BLOCKS)])
+    others = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(12)))  # 3 blocks of another prompt
+    for key in others:
+        assert manager.pin_host(key, CODEC.encode(BLOCKS[0], key)) is not None
+    mover = BlockMover(manager, CODEC, layout=LAYOUT, synchronous=True)
+    pinned = mover.pin_in_host(manager.match(KEYS, pin=True))
+    assert pinned.keys == KEYS[:1] and pinned.tiers == ["ssd"]
+    assert len(ssd._pins) == 0 and ssd.num_leased() == 0 and len(dram._pins) == 0
+    assert dram.num_leased() == 4  # the three others and the one held
+    manager.unpin_host(pinned.keys + others)
+    assert dram.num_leased() == 0
+    manager.close()
+
+
 def test_saves_go_through_one_queue_and_a_full_one_drops(manager):
     gate = threading.Event()
     put = manager.put_many
