@@ -216,6 +216,8 @@ def test_offloaded_prefix_from_the_ssd_tier_is_reused(tiny_model, long_prompts, 
     assert outputs[-1].cached_tokens_by_tier == {"ssd": cached}
     assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
     assert matches == [len(long_prompts[2]) // BLOCK]  # sink and middle blocks: one lookup, no re-match
+    stats = second.transfer.stats  # and one load: the sink block into the device, the rest into DRAM slots
+    assert stats.num_loads == 1 and stats.num_blocks_loaded == cached // BLOCK
     assert reads_on_step_thread and not any(reads_on_step_thread)
     from kvtier.blocks import block_keys
     prefix_keys = set(block_keys(second.scheduler.space, long_prompts[2][:cached]))

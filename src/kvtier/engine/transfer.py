@@ -113,6 +113,7 @@ class KVTransfer:
         self.mover = BlockMover(manager, codec, synchronous=synchronous)
         self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
         self._errors = 0
+        self._num_loads = 0  # jobs run (a job's device restore and host hold are one load)
         self._loads: deque[LoadJob] = deque()
         self._done: deque[LoadDone] = deque()
         self._cond = threading.Condition()
@@ -127,7 +128,7 @@ class KVTransfer:
     def stats(self) -> TransferStats:
         """A snapshot (the engine's stats and metrics read these names)."""
         m = self.mover.stats
-        return TransferStats(m.num_restores, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
+        return TransferStats(self._num_loads, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
                              m.save_seconds, m.errors + self._errors)
 
     # -- the step thread ---------------------------------------------------------------------------
@@ -195,6 +196,7 @@ class KVTransfer:
         if job.host_match is not None:
             done.host = self._pin_in_host(job.host_match, whole=len(done.tiers) == len(job.block_ids))
         with self._cond:
+            self._num_loads += 1
             self._done.append(done)
             self._busy -= 1
             self._cond.notify_all()
