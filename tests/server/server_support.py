@@ -44,10 +44,16 @@ BLOCK = 8
 MAX_MODEL_TOKENS = 512
 
 
-def tiny_app(model, num_blocks: int = 96, *, dram: str = "4MiB", **kwargs):
+def tiny_app(model, num_blocks: int = 96, *, dram: str = "4MiB", tiers: list[str] | None = None, **kwargs):
+    """The tiny model served on `num_blocks` device blocks; tiers `dram:DRAM`, or the `tiers` specs."""
     layout = model.kv_layout(BLOCK)
-    manager = build_manager([f"dram:{dram}"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
+    manager = build_manager(tiers or [f"dram:{dram}"], slot_bytes=get_codec("raw").max_encoded_bytes(layout))
     config = EngineConfig(device_kv_budget_bytes=num_blocks * layout.block_bytes, block_tokens=BLOCK,
                           max_prefill_tokens=64, max_model_tokens=MAX_MODEL_TOKENS, **kwargs)
-    engine = AsyncEngine(LLMEngine(model, config, manager))
-    return create_app(engine, ByteTokenizer(), "tiny", manager=manager, on_shutdown=manager.close)
+    llm = LLMEngine(model, config, manager)
+
+    def on_shutdown() -> None:
+        llm.close()  # its pending tier writes land first (as `kvtier serve`'s flush)
+        manager.close()
+
+    return create_app(AsyncEngine(llm), ByteTokenizer(), "tiny", manager=manager, on_shutdown=on_shutdown)

@@ -55,6 +55,32 @@ def test_the_next_turn_over_a_long_prompt_reuses_it(servers):
     assert got["choices"][0]["kvtier_offload"]["host_kv_bytes"] > 0
 
 
+def test_a_restarted_server_reuses_a_long_prompt_from_the_ssd(tiny_model, servers, tmp_path):
+    """A server on DRAM + SSD serves a long prompt, stops; a new one on the same SSD directory (empty DRAM)
+    gets the same prompt: its prefix comes from the SSD (the host blocks read by the transfer worker into
+    DRAM slots), only the tail is computed, and the text equals the whole-on-device reference's."""
+    _, ref_url = servers
+    tiers = ["dram:4MiB", f"ssd:{tmp_path}:64MiB"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+
+    def serve_once():
+        with running(tiny_app(tiny_model, DEVICE_BLOCKS, tiers=tiers, kv_offload="exact",
+                              offload_fetch_blocks=3)) as url:
+            response = post(url, body).json()
+            metrics = httpx.get(url + "/metrics").text
+        return response, metrics
+
+    first, _ = serve_once()
+    second, metrics = serve_once()
+    ref = post(ref_url, body).json()
+    assert first["choices"][0]["text"] == second["choices"][0]["text"] == ref["choices"][0]["text"]
+    cached = (len(PROMPT) - 1) // 8 * 8
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == cached
+    assert f'kvtier_prefix_hit_tokens_total{{tier="ssd"}} {float(cached)}' in metrics
+    assert second["choices"][0]["kvtier_offload"]["host_kv_bytes"] > 0
+
+
 def test_streaming_chat_long_request_matches(servers):
     url, ref_url = servers
     body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16, "temperature": 0,
