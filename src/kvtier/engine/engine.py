@@ -370,25 +370,27 @@ class LLMEngine:
             slot = self.manager.pin_host(offload.key, data)
         if slot is None:
             raise RuntimeError(f"host memory could not hold a block of request {seq.request_id}")
-        if host.summaries is not None:
-            host.summaries[len(host.slots)] = page_summary(self.arena.k_cache[:, offload.block_id],
-                                                           self.config.page_tokens)
-        host.slots.append(slot)
-        host.keys.append(offload.key)
-        host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
+        summaries = [] if host.summaries is None else [page_summary(self.arena.k_cache[:, offload.block_id],
+                                                                    self.config.page_tokens)]
+        self._add_host_blocks(host, [slot], [offload.key], summaries)
 
     def _take_host_blocks(self, seq: Sequence, pinned: PinnedInHost) -> None:
         """A load's host part, held in DRAM slots by the transfer worker: the offloaded sequence's
         blocks after its sink blocks, in order, with their key summaries for sparse attention. All or
         nothing: the summaries (device memory) are made before any block is taken."""
         host = seq.host
-        if host.summaries is not None:
-            summaries = [page_summary(self.fetch.host[slot][:, 0].to(self.arena.device), self.config.page_tokens)
-                         for slot in pinned.slots]
-            for i, summary in enumerate(summaries):
-                host.summaries[len(host.slots) + i] = summary
-        host.slots += pinned.slots
-        host.keys += pinned.keys
+        summaries = [] if host.summaries is None else [
+            page_summary(self.fetch.host[slot][:, 0].to(self.arena.device), self.config.page_tokens)
+            for slot in pinned.slots]
+        self._add_host_blocks(host, pinned.slots, pinned.keys, summaries)
+
+    def _add_host_blocks(self, host: HostBlocks, slots: list[int], keys: list[bytes],
+                         summaries: list[torch.Tensor]) -> None:
+        """Append blocks held in DRAM slots to a sequence's host blocks (`summaries`: sparse mode's, else [])."""
+        for i, summary in enumerate(summaries):
+            host.summaries[len(host.slots) + i] = summary
+        host.slots += slots
+        host.keys += keys
         host.stats.host_kv_bytes = max(host.stats.host_kv_bytes, len(host.slots) * self.layout.block_bytes)
 
     def _unpin(self) -> None:

@@ -123,7 +123,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """Work left: requests, or loads of requests that ended meanwhile (their blocks, device and
         host, come back only when the load returns: the engine keeps stepping until then)."""
-        return bool(self.waiting or self.running or self.loading or self._orphaned_loads)
+        return bool(self.waiting or self.running or self.loads_in_flight())
 
     def loads_in_flight(self) -> bool:
         return bool(self.loading or self._orphaned_loads)

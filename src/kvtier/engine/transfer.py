@@ -218,14 +218,13 @@ class KVTransfer:
         """The host part of a load, when the device part came in whole (the host blocks follow the
         sink blocks: without them they are of no use); its pins end either way."""
         try:
-            if whole:
-                return self.mover.pin_in_host(match)
+            return self.mover.pin_in_host(match) if whole else PinnedInHost()
         except Exception:  # noqa: BLE001 - the sequence computes them
             log.exception("holding a loaded prefix in host memory failed")
             self._errors += 1
+            return PinnedInHost()
         finally:
-            self.manager.unpin(match)  # idempotent: the stream ended them already
-        return PinnedInHost()
+            self.manager.unpin(match)  # idempotent: a stream that ran ended them already
 
     def _decode_load(self, job: LoadJob) -> LoadDone:
         """The decoded blocks, still leased (DRAM blocks stay in place), for the step thread to copy."""

@@ -273,12 +273,12 @@ class TierManager:
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
         then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
         `stream_chunk_blocks` at a time (the largest among the tiers the match found them in), the next
-        chunk on the prefetch thread while the caller copies this one, so an SSD or pool read overlaps the
-        copies. The promotions, the deletion of bad
-        blocks (among those fetched) and the end of the pins happen when the iteration ends or the
-        generator is closed; so does the end of every lease — unless `hold` is given: the yielded
-        blocks' leases are then appended to it (end them with `release(hold)`), so every block handed
-        out stays valid until then. Past the end of the prefix nothing more is fetched."""
+        chunk on the prefetch thread while the caller copies this one, so an SSD or pool read overlaps
+        the copies. The promotions, the deletion of bad blocks (among those fetched) and the end of the
+        pins happen when the iteration ends or the generator is closed; so does the end of every lease —
+        unless `hold` is given: the yielded blocks' leases are then appended to it (end them with
+        `release(hold)`), so every block handed out stays valid until then. Past the end of the prefix
+        nothing more is fetched."""
         chunk = max((self.tiers[t].stream_chunk_blocks for t in set(match.tier_indices)),
                     default=STREAM_CHUNK_BLOCKS)
         return self._blocks(match, lease, chunk, hold)

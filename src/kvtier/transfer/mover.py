@@ -72,8 +72,7 @@ class PinnedInHost:
 
 @dataclass(slots=True)
 class MoverStats:
-    num_restores: int = 0           # into a sink, and `pin_in_host` holds (each its own)
-    num_blocks_restored: int = 0
+    num_blocks_restored: int = 0    # into a sink, or held in DRAM slots (`pin_in_host`)
     restore_seconds: float = 0.0    # reading, verifying, decoding and the sink's writes
     num_blocks_saved: int = 0
     num_blocks_dropped: int = 0     # a full save queue, or a save that failed
@@ -128,10 +127,7 @@ class BlockMover:
                     restored.tiers.append(block.tier)
             if copies is not None and not self._finish(copies, len(restored)):
                 restored = Restored()
-            with self._lock:
-                self.stats.num_restores += 1
-                self.stats.num_blocks_restored += len(restored)
-                self.stats.restore_seconds += time.perf_counter() - start
+            self._count_restored(len(restored), start)
             yield restored
         except BaseException as exc:
             if copies is not None:
@@ -159,11 +155,13 @@ class BlockMover:
         except BaseException:
             self.manager.unpin_host(pinned.keys)  # nobody takes them
             raise
-        with self._lock:
-            self.stats.num_restores += 1
-            self.stats.num_blocks_restored += len(pinned)
-            self.stats.restore_seconds += time.perf_counter() - start
+        self._count_restored(len(pinned), start)
         return pinned
+
+    def _count_restored(self, num_blocks: int, start: float) -> None:
+        with self._lock:
+            self.stats.num_blocks_restored += num_blocks
+            self.stats.restore_seconds += time.perf_counter() - start
 
     def _finish(self, copies: CopyGroup, num_blocks: int) -> bool:
         try:
