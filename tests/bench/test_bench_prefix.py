@@ -37,4 +37,8 @@ def test_bench_prefix_json(capsys, tmp_path):
     # both DRAM restores copy on the copy threads and are held to a memcpy cut over as many
     from kvtier.transfer.copies import copy_threads
     assert dram["copy_threads"] == copy_threads() and ssd["copy_threads"] == 1
-    assert dram["ttft_target_met"] == (dram["speedup"] >= 100)
+    # the TTFT target is judged best-of (issue 21), the medians' ratio reported beside it
+    assert dram["ttft_best_s"] <= dram["ttft_s"] and recompute["ttft_best_s"] <= recompute["ttft_s"]
+    assert dram["speedup_best"] == pytest.approx(recompute["ttft_best_s"] / dram["ttft_best_s"])
+    assert dram["speedup"] == pytest.approx(recompute["ttft_s"] / dram["ttft_s"])
+    assert dram["ttft_target_met"] == (dram["speedup_best"] >= 100)
