@@ -493,6 +493,22 @@ def test_log_sum_exp_merge_equals_attention_over_both():
     torch.testing.assert_close(out.reshape(6, 4, 16), sdpa, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_attend_with_a_mask_is_the_masked_softmax_of_each_query_head(dtype):
+    """`attend` (the CPU flash kernel, each KV head's query group as rows): the mask applies to every
+    query head of the group alike; out and log-sum-exp equal the materialized formula."""
+    gen = torch.Generator().manual_seed(3)
+    h, g, n, m, d = 2, 3, 5, 12, 8
+    q = torch.randn(h, g, n, d, generator=gen, dtype=dtype)
+    k, v = torch.randn(2, h, m, d, generator=gen, dtype=dtype)
+    mask = torch.rand(n, m, generator=gen) > 0.4
+    mask[:, 0] = True  # every query sees a key
+    out, lse = attend(q, k, v, mask, 0.3)
+    scores = (q @ k[:, None].transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))  # [H, G, N, M]
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1))
+    torch.testing.assert_close(out, torch.softmax(scores, dim=-1) @ v[:, None])
+
+
 # -- the fetch area and the offloaded attention alone, on each device ------------------------------------
 L, H, T, D = 2, 2, 4, 8  # layers, KV heads, block tokens, head dim
 
