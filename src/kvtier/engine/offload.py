@@ -192,9 +192,13 @@ def _attend_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial attentions over disjoint keys -> the attention over both (by log-sum-exp)."""
+    """Two partial attentions over disjoint keys -> the attention over both (by log-sum-exp). Updates
+    `out` and `out2` in place (each a fresh attention output) where they have the log-sum-exp's dtype."""
     total = torch.logaddexp(lse, lse2)
-    return (out * torch.exp(lse - total).unsqueeze(-1) + out2 * torch.exp(lse2 - total).unsqueeze(-1)), total
+    if out.dtype != total.dtype:  # fp16/bf16 outputs: accumulated at the log-sum-exp's fp32
+        out, out2 = out.to(total.dtype), out2.to(total.dtype)
+    out.mul_(torch.exp_(lse - total).unsqueeze(-1))
+    return out.add_(out2.mul_(torch.exp_(lse2 - total).unsqueeze(-1))), total
 
 
 class FetchArea:
@@ -467,7 +471,7 @@ class OffloadAttention:
                 mask = torch.cat([torch.ones((n, num_tokens), dtype=torch.bool, device=q.device), dev_mask], dim=1)
             return F.scaled_dot_product_attention(q[None], kv[0][None], kv[1][None], attn_mask=mask, scale=scale,
                                                   enable_gqa=hq != h)[0]
-        q4 = q.view(h, hq // h, n, d)
+        q4 = q.reshape(h, hq // h, n, d).contiguous()  # once: every piece reads its KV heads' query rows
         out, lse = attend(q4, k_dev, v_dev, dev_mask, scale)
         for k_host, v_host in self._pieces(layer, slots, pages, t, off):
             out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
