@@ -532,3 +532,22 @@ def test_an_eviction_write_through_placed_below_returns_its_key_not_its_bytes(tm
     assert asked == [K[3]]  # the write-through's check only; no lookup for the evicted blocks
     assert m.get_prefix(K[:4]) == [_block(i) for i in range(4)]
     m.close()
+
+
+def test_pin_host_that_fails_after_taking_a_slot_leaves_it_unpinned(monkeypatch):
+    """A block read from below is stored into a DRAM slot and pinned, then marked placed below: if that
+    raises, the caller gets no slot, so the pin must end here (else the slot stays held for good)."""
+    dram = HostTier(4 * SIZE, SIZE)
+    m = TierManager([dram], async_writes=False)
+
+    def broken(keys):
+        raise RuntimeError("placed_below failed")
+
+    monkeypatch.setattr(dram, "placed_below", broken)
+    with pytest.raises(RuntimeError, match="placed_below failed"):
+        m.pin_host(K[0], _block(0, K[0]), from_below=True)
+    assert dram.num_leased() == 0
+    assert m.pin_host(K[1], _block(1, K[1])) is not None and dram.num_leased() == 1  # no leak, slots still lent
+    m.unpin_host([K[1]])
+    assert dram.num_leased() == 0
+    m.close()

@@ -417,7 +417,11 @@ class TierManager:
         with self._read_locks[id(host)], self._write_locks[id(host)]:  # the order the health prober takes them
             slot, evicted = host.pin_resident(key, data)
             if slot is not None and data is not None and from_below:
-                host.placed_below([key])
+                try:
+                    host.placed_below([key])
+                except BaseException:
+                    host.release([key])  # the caller gets no slot: its pin must not outlive this call
+                    raise
         # demotion of what made room (a block placed below already comes back as its key alone)
         self._writeback.submit([(k, d) for k, d in evicted if d is not None], through=False)
         if slot is not None and data is not None and not from_below:
