@@ -304,6 +304,15 @@ class FetchArea:
 
     def _fetch(self, i: int, free: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
         layer, slots = self._plan[i]
+        if self._side is None:  # CPU: whole blocks, every head alike, one memcpy each, little Python (the GIL)
+            start, t = time.perf_counter(), self.block_tokens
+            dst, src = self._buffer_bytes[i % 2], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
+            for j, slot in enumerate(slots.tolist()):
+                dst[:, :, j * t:(j + 1) * t] = src[slot]
+            n = slots.shape[0]
+            self._count(2 * self.buffer.shape[2] * n * t * self.buffer.shape[-1] * self.buffer.element_size(),
+                        time.perf_counter() - start)
+            return n * t, None
         return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, stream=self._side, after=free)
 
     def spare_half(self) -> int:
