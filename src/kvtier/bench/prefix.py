@@ -9,7 +9,8 @@ Protocol (one process, one run, the same model and prompt):
    before through `reset()` (as a serving loop reuses a StaticCache: its pages are already faulted
    in; a fresh cache per request adds the page faults of its buffers, measured apart in the notes).
    TTFT is wall time from `load_prefix` to the first token's logits; the median and the best of the
-   requests are reported (recompute's too: its best against the hit's best). SSD reads are cold: the block files are dropped from the page cache (posix_fadvise DONTNEED) first.
+   requests are reported (recompute's too: its best against the hit's best). SSD reads are cold: the
+   block files are dropped from the page cache (posix_fadvise DONTNEED) first.
 3. restore bandwidth = restored KV bytes / `load_prefix` time (match + the stream of blocks, each
    verified just before its copy into the layer buffers); the engine's restore (its transfer worker
    into a paged arena) beside it; against the raw medium moving the same bytes: a warm numpy memcpy
@@ -289,8 +290,8 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
                 num_bytes = len(_prefix_keys(loaded, ids, block_tokens)) * loaded.kv_layout(block_tokens).block_bytes
                 raw = raw_memcpy(num_bytes, copy_threads()) if tier == "dram" else \
                     raw_file_read(tmp, num_bytes) if tier == "ssd" else raw_pool_get(manager, loaded, ids, block_tokens)
-                rows.append(measure_tier(loaded, manager, tier, ids, repeats, tuple(recompute), token, block_tokens, raw,
-                                         before))
+                rows.append(measure_tier(loaded, manager, tier, ids, repeats, tuple(recompute), token, block_tokens,
+                                         raw, before))
                 manager.close()
         finally:
             for service in started:

@@ -161,7 +161,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     log-sum-exp: (out [H, G, N, D], lse [H, G, N]). `mask` [N, M]: True where a key may be seen.
     On the CPU the fused flash kernel SDPA itself runs, which also returns the log-sum-exp: 3.5x the
     speed of the two GEMMs around a materialized softmax for a 128-token prefill chunk over a 960-token
-    piece, 1.5x for one decode token (docs/BENCHMARKS.md, issue 21)."""
+    piece, 1.5x for one decode token (docs/BENCHMARKS.md, "The offloaded prefill on the CPU flash kernel")."""
     if q.device.type == "cpu":
         return _attend_flash_cpu(q, k, v, mask, scale)
     h, g, n, d = q.shape
@@ -309,10 +309,8 @@ class FetchArea:
             dst, src = self._buffer_bytes[i % 2], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
             for j, slot in enumerate(slots.tolist()):
                 dst[:, :, j * t:(j + 1) * t] = src[slot]
-            n = slots.shape[0]
-            self._count(2 * self.buffer.shape[2] * n * t * self.buffer.shape[-1] * self.buffer.element_size(),
-                        time.perf_counter() - start)
-            return n * t, None
+            self._count(self._bytes(slots.shape[0] * t), time.perf_counter() - start)
+            return slots.shape[0] * t, None
         return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, stream=self._side, after=free)
 
     def spare_half(self) -> int:
@@ -339,14 +337,13 @@ class FetchArea:
         firsts = (pages * t).tolist() if pages is not None else [[0] * h] * n  # each item's first token in its block
         items = [list(zip(row, first)) for row, first in zip(slots.tolist(), firsts)]  # [n][H] (slot, first token)
         uniform = all(len(set(row)) == 1 for row in items)  # every head the same block (page): one copy per item
-        num_bytes = 2 * h * n * t * self.buffer.shape[-1] * self.buffer.element_size()
         if self._side is None:
             start = time.perf_counter()
             self._memcpy(layer, items, t, half, uniform)
-            self._count(num_bytes, time.perf_counter() - start)
+            self._count(self._bytes(n * t), time.perf_counter() - start)
             return n * t, None
         done = self._cuda_copy(layer, items, t, half, uniform, stream, after)
-        self._count(num_bytes, 0.0)  # its time: from its events, at end()
+        self._count(self._bytes(n * t), 0.0)  # its time: from its events, at end()
         return n * t, done
 
     def _memcpy(self, layer: int, items: list[list[tuple[int, int]]], t: int, half: int, uniform: bool) -> None:
@@ -385,6 +382,10 @@ class FetchArea:
             done.record(stream)
         self._timings.append((start, done))
         return done
+
+    def _bytes(self, num_tokens: int) -> int:
+        """Bytes of K and V of every head for `num_tokens` tokens of a layer: what a copy into a half moves."""
+        return 2 * self.buffer.shape[2] * num_tokens * self.buffer.shape[-1] * self.buffer.element_size()
 
     def _count(self, num_bytes: int, seconds: float) -> None:
         with self._lock:
