@@ -18,105 +18,82 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
-from kvtier import models
-from kvtier.bench.prefix import _arena_restore, _prefix_keys
+from kvtier.bench.prefix import _arena_restore
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
-from kvtier.codecs import get_codec
 from kvtier.codecs.header import HEADER_BYTES, verify
-from kvtier.data import SHAKESPEARE, shared_data_file
 from kvtier.engine.arena import RawArena
-from kvtier.hf import TieredCache
-from kvtier.testing import services
-from kvtier.tiers.buffers import address
-from kvtier.tiers.manager import build_manager
+from pooled_prefix import pooled_prefix
 
 
 def main(rounds: int = 9) -> None:
-    loaded = models.load("smollm2")
-    ids = loaded.tokenizer(shared_data_file(SHAKESPEARE).read_text()[:4096 * 8], return_tensors="pt").input_ids[:, :4097]
-    layout, codec = loaded.kv_layout(DEFAULT_BLOCK_TOKENS), get_codec("raw")
-    with tempfile.TemporaryDirectory() as tmp:
-        pool = services.MooncakePool(Path(tmp), segment="2GB", buffer="512MiB")
-        pool.start()
-        try:
-            manager = build_manager([pool.spec], slot_bytes=codec.max_encoded_bytes(layout), async_writes=False)
-            cache = TieredCache.for_model(loaded, manager, block_tokens=DEFAULT_BLOCK_TOKENS)
-            with torch.inference_mode():
-                loaded.model(ids, past_key_values=cache, use_cache=True)
-            cache.store(ids[0])
-            manager.flush()
-            tier = manager.tiers[0]
-            backend, keys = tier.backend, _prefix_keys(loaded, ids, DEFAULT_BLOCK_TOKENS)
-            store, names = backend._store, tier._names(keys)
-            arena = RawArena(layout, len(keys), torch.device("cpu"))
-            heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
-            for buf in (arena.k_cache, arena.v_cache):
-                assert store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size()) == 0
-            assert store.register_buffer(heads.ctypes.data, heads.nbytes) == 0
-            parts = [[part for layer in range(layout.num_layers) for part in (arena.k_cache[layer, b],
-                                                                              arena.v_cache[layer, b])]
-                     for b in range(len(keys))]
-            ptrs = [[heads[b].ctypes.data, *(p.data_ptr() for p in parts[b])] for b in range(len(keys))]
-            sizes = [[HEADER_BYTES, *(p.numel() * p.element_size() for p in parts[b])] for b in range(len(keys))]
+    with pooled_prefix() as prefix:
+        loaded, ids, layout, codec, manager = prefix.loaded, prefix.ids, prefix.layout, prefix.codec, prefix.manager
+        backend, keys, names = prefix.backend, prefix.keys, prefix.names
+        store = backend._store
+        arena = RawArena(layout, len(keys), torch.device("cpu"))
+        heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
+        for buf in (arena.k_cache, arena.v_cache):
+            assert store.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size()) == 0
+        assert store.register_buffer(heads.ctypes.data, heads.nbytes) == 0
+        parts = [[part for layer in range(layout.num_layers) for part in (arena.k_cache[layer, b],
+                                                                          arena.v_cache[layer, b])]
+                 for b in range(len(keys))]
+        ptrs = [[heads[b].ctypes.data, *(p.data_ptr() for p in parts[b])] for b in range(len(keys))]
+        sizes = [[HEADER_BYTES, *(p.numel() * p.element_size() for p in parts[b])] for b in range(len(keys))]
 
-            def scatter(blocks: range) -> None:
-                codes = store.batch_get_into_multi_buffers([names[b] for b in blocks], [ptrs[b] for b in blocks],
-                                                           [sizes[b] for b in blocks])
-                assert all(code == sum(sizes[b]) for code, b in zip(codes, blocks)), codes
+        def scatter(blocks: range) -> None:
+            codes = store.batch_get_into_multi_buffers([names[b] for b in blocks], [ptrs[b] for b in blocks],
+                                                       [sizes[b] for b in blocks])
+            assert all(code == sum(sizes[b]) for code, b in zip(codes, blocks)), codes
 
-            def check(b: int) -> None:  # the payload checksum over the block's ranges, in place
-                header = verify(heads[b].tobytes() + bytes(sum(sizes[b]) - HEADER_BYTES), keys[b], payload=False)
-                digest = xxhash.xxh3_64()
-                for part in parts[b]:
-                    digest.update(memoryview(part.numpy()).cast("B"))
-                assert digest.intdigest() == header.payload_checksum, f"block {b} differs in place"
+        def check(b: int) -> None:  # the payload checksum over the block's ranges, in place
+            header = verify(heads[b].tobytes() + bytes(sum(sizes[b]) - HEADER_BYTES), keys[b], payload=False)
+            digest = xxhash.xxh3_64()
+            for part in parts[b]:
+                digest.update(memoryview(part.numpy()).cast("B"))
+            assert digest.intdigest() == header.payload_checksum, f"block {b} differs in place"
 
-            def raw_get() -> None:
-                got = backend.lease(names)
-                backend.release([item[1] for item in got])
+        def raw_get() -> None:
+            got = backend.lease(names)
+            backend.release([item[1] for item in got])
 
-            def scatter_and_check() -> None:  # the stream's shape: get 8, get 8 beside checking 8, check 8
-                scatter(range(8))
-                with ThreadPoolExecutor(1) as ahead:
-                    second = ahead.submit(scatter, range(8, 16))
-                    for b in range(8):
-                        check(b)
-                    second.result()
-                for b in range(8, 16):
+        def scatter_and_check() -> None:  # the stream's shape: get 8, get 8 beside checking 8, check 8
+            scatter(range(8))
+            with ThreadPoolExecutor(1) as ahead:
+                second = ahead.submit(scatter, range(8, 16))
+                for b in range(8):
                     check(b)
+                second.result()
+            for b in range(8, 16):
+                check(b)
 
-            engine = _arena_restore(loaded, manager, ids, DEFAULT_BLOCK_TOKENS)
-            runs = {"raw get, 1 x 16 (contiguous buffers)": raw_get,
-                    "into the arena's ranges, 1 x 16": lambda: scatter(range(16)),
-                    "into the arena's ranges, 2 x 8": lambda: (scatter(range(8)), scatter(range(8, 16))),
-                    "into the arena, then checksums in place (overlapped)": scatter_and_check,
-                    "engine restore as it is (KVTransfer)": engine}
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            cpu = dict.fromkeys(runs, 0.0)
-            for _ in range(rounds):
-                for name, fn in runs.items():
-                    process, start = time.process_time(), time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-                    cpu[name] += time.process_time() - process
-            raw = min(times["raw get, 1 x 16 (contiguous buffers)"])
-            print(f"{sum(map(sum, sizes)) / 1e6:.1f} MB in {len(keys)} blocks; best, median, mean CPU of {rounds} "
-                  "rounds; raw get / best")
-            for name, values in times.items():
-                print(f"{name:56s} {min(values) * 1e3:7.1f} ms {statistics.median(values) * 1e3:7.1f} ms "
-                      f"{cpu[name] / rounds * 1e3:7.1f} ms CPU  {raw / min(values):5.0%}")
-            manager.close()
-        finally:
-            pool.kill()
+        engine = _arena_restore(loaded, manager, ids, DEFAULT_BLOCK_TOKENS)
+        runs = {"raw get, 1 x 16 (contiguous buffers)": raw_get,
+                "into the arena's ranges, 1 x 16": lambda: scatter(range(16)),
+                "into the arena's ranges, 2 x 8": lambda: (scatter(range(8)), scatter(range(8, 16))),
+                "into the arena, then checksums in place (overlapped)": scatter_and_check,
+                "engine restore as it is (KVTransfer)": engine}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        cpu = dict.fromkeys(runs, 0.0)
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                process, start = time.process_time(), time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+                cpu[name] += time.process_time() - process
+        raw = min(times["raw get, 1 x 16 (contiguous buffers)"])
+        print(f"{sum(map(sum, sizes)) / 1e6:.1f} MB in {len(keys)} blocks; best, median, mean CPU of {rounds} "
+              "rounds; raw get / best")
+        for name, values in times.items():
+            print(f"{name:56s} {min(values) * 1e3:7.1f} ms {statistics.median(values) * 1e3:7.1f} ms "
+                  f"{cpu[name] / rounds * 1e3:7.1f} ms CPU  {raw / min(values):5.0%}")
 
 
 if __name__ == "__main__":

@@ -14,23 +14,16 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-from kvtier import models
-from kvtier.bench.prefix import _arena_restore, _prefix_keys
+from kvtier.bench.prefix import _arena_restore
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
-from kvtier.codecs import get_codec
 from kvtier.codecs.header import verify
-from kvtier.data import SHAKESPEARE, shared_data_file
 from kvtier.engine.arena import RawArena
-from kvtier.hf import TieredCache
-from kvtier.testing import services
-from kvtier.tiers.manager import build_manager
+from pooled_prefix import pooled_prefix
 from kvtier.transfer.copies import CopyGroup, copy_threads
 
 
@@ -41,77 +34,61 @@ def timed(fn) -> float:
 
 
 def main(rounds: int = 7) -> None:
-    loaded = models.load("smollm2")
-    ids = loaded.tokenizer(shared_data_file(SHAKESPEARE).read_text()[:4096 * 8], return_tensors="pt").input_ids[:, :4097]
-    layout, codec = loaded.kv_layout(DEFAULT_BLOCK_TOKENS), get_codec("raw")
-    with tempfile.TemporaryDirectory() as tmp:
-        pool = services.MooncakePool(Path(tmp), segment="2GB", buffer="512MiB")
-        pool.start()
-        try:
-            manager = build_manager([pool.spec], slot_bytes=codec.max_encoded_bytes(layout), async_writes=False)
-            cache = TieredCache.for_model(loaded, manager, block_tokens=DEFAULT_BLOCK_TOKENS)
-            with torch.inference_mode():
-                loaded.model(ids, past_key_values=cache, use_cache=True)
-            cache.store(ids[0])
-            manager.flush()
-            tier = manager.tiers[0]
-            backend, keys = tier.backend, _prefix_keys(loaded, ids, DEFAULT_BLOCK_TOKENS)
-            names = tier._names(keys)
-            arena = RawArena(layout, len(keys), torch.device("cpu"))
-            leased = backend.lease(names)
-            blocks = [item[0] for item in leased]
-            headers = [verify(block, key) for key, block in zip(keys, blocks)]
+    with pooled_prefix() as prefix:
+        loaded, ids, layout, codec, manager = prefix.loaded, prefix.ids, prefix.layout, prefix.codec, prefix.manager
+        backend, keys, names = prefix.backend, prefix.keys, prefix.names
+        arena = RawArena(layout, len(keys), torch.device("cpu"))
+        leased = backend.lease(names)
+        blocks = [item[0] for item in leased]
+        headers = [verify(block, key) for key, block in zip(keys, blocks)]
 
-            def get(parts: int):
-                size = len(names) // parts
-                got = [item for i in range(0, len(names), size) for item in backend.lease(names[i:i + size])]
-                backend.release([item[1] for item in got])
+        def get(parts: int):
+            size = len(names) // parts
+            got = [item for i in range(0, len(names), size) for item in backend.lease(names[i:i + size])]
+            backend.release([item[1] for item in got])
 
-            def copy(check: bool):
+        def copy(check: bool):
+            with CopyGroup(copy_threads()) as copies:
+                for i, (key, block, header) in enumerate(zip(keys, blocks, headers)):
+                    arena.write_block(i, codec.decode_verified(verify(block, key) if check else header, block),
+                                      copies)
+
+        def match():
+            manager.unpin(manager.match(keys, pin=True))
+
+        def overlapped():  # the stream's shape: the second get on a thread beside the first half's checks
+            first = backend.lease(names[:8])
+            with ThreadPoolExecutor(1) as ahead:
+                second = ahead.submit(backend.lease, names[8:])
                 with CopyGroup(copy_threads()) as copies:
-                    for i, (key, block, header) in enumerate(zip(keys, blocks, headers)):
-                        arena.write_block(i, codec.decode_verified(verify(block, key) if check else header, block),
-                                          copies)
-
-            def match():
-                manager.unpin(manager.match(keys, pin=True))
-
-            def overlapped():  # the stream's shape: the second get on a thread beside the first half's checks
-                first = backend.lease(names[:8])
-                with ThreadPoolExecutor(1) as ahead:
-                    second = ahead.submit(backend.lease, names[8:])
-                    with CopyGroup(copy_threads()) as copies:
-                        for i in range(8):
-                            arena.write_block(i, codec.decode_verified(verify(blocks[i], keys[i]), blocks[i]), copies)
-                    got = first + second.result()
-                with CopyGroup(copy_threads()) as copies:
-                    for i in range(8, 16):
+                    for i in range(8):
                         arena.write_block(i, codec.decode_verified(verify(blocks[i], keys[i]), blocks[i]), copies)
-                backend.release([item[1] for item in got])
+                got = first + second.result()
+            with CopyGroup(copy_threads()) as copies:
+                for i in range(8, 16):
+                    arena.write_block(i, codec.decode_verified(verify(blocks[i], keys[i]), blocks[i]), copies)
+            backend.release([item[1] for item in got])
 
-            parts = {"lookup (match)": match, "raw get, 1 x 16": lambda: get(1), "raw get, 2 x 8": lambda: get(2),
-                     "verify 16": lambda: [verify(b, k) for k, b in zip(keys, blocks)],
-                     f"copy 16 ({copy_threads()} threads)": lambda: copy(False),
-                     "verify + copy, block by block": lambda: copy(True),
-                     "get 8, then get 8 beside verify + copy 8, then verify + copy 8": overlapped}
-            engine = _arena_restore(loaded, manager, ids, DEFAULT_BLOCK_TOKENS)
-            times: dict[str, list[float]] = {name: [] for name in [*parts, "engine restore (KVTransfer)"]}
-            process_s = dict.fromkeys(times, 0.0)  # this process's CPU time (the pool's server is another)
-            for _ in range(rounds):
-                for name, fn in [*parts.items(), ("engine restore (KVTransfer)", engine)]:
-                    cpu = time.process_time()
-                    times[name].append(timed(fn))
-                    process_s[name] += time.process_time() - cpu
-            backend.release([item[1] for item in leased])
-            print(f"{sum(map(len, blocks)) / 1e6:.1f} MB in {len(blocks)} blocks; best, median and mean CPU of {rounds} rounds")
-            raw = min(times["raw get, 1 x 16"])
-            for name, values in times.items():
-                print(f"{name:64s} {min(values) * 1e3:7.1f} ms  {statistics.median(values) * 1e3:7.1f} ms"
-                      f"  {process_s[name] / len(values) * 1e3:7.1f} ms CPU")
-            print(f"engine restore / raw get (best): {raw / min(times['engine restore (KVTransfer)']):.0%}")
-            manager.close()
-        finally:
-            pool.kill()
+        parts = {"lookup (match)": match, "raw get, 1 x 16": lambda: get(1), "raw get, 2 x 8": lambda: get(2),
+                 "verify 16": lambda: [verify(b, k) for k, b in zip(keys, blocks)],
+                 f"copy 16 ({copy_threads()} threads)": lambda: copy(False),
+                 "verify + copy, block by block": lambda: copy(True),
+                 "get 8, then get 8 beside verify + copy 8, then verify + copy 8": overlapped}
+        engine = _arena_restore(loaded, manager, ids, DEFAULT_BLOCK_TOKENS)
+        times: dict[str, list[float]] = {name: [] for name in [*parts, "engine restore (KVTransfer)"]}
+        process_s = dict.fromkeys(times, 0.0)  # this process's CPU time (the pool's server is another)
+        for _ in range(rounds):
+            for name, fn in [*parts.items(), ("engine restore (KVTransfer)", engine)]:
+                cpu = time.process_time()
+                times[name].append(timed(fn))
+                process_s[name] += time.process_time() - cpu
+        backend.release([item[1] for item in leased])
+        print(f"{sum(map(len, blocks)) / 1e6:.1f} MB in {len(blocks)} blocks; best, median and mean CPU of {rounds} rounds")
+        raw = min(times["raw get, 1 x 16"])
+        for name, values in times.items():
+            print(f"{name:64s} {min(values) * 1e3:7.1f} ms  {statistics.median(values) * 1e3:7.1f} ms"
+                  f"  {process_s[name] / len(values) * 1e3:7.1f} ms CPU")
+        print(f"engine restore / raw get (best): {raw / min(times['engine restore (KVTransfer)']):.0%}")
 
 
 if __name__ == "__main__":

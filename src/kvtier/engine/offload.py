@@ -304,14 +304,8 @@ class FetchArea:
 
     def _fetch(self, i: int, free: torch.cuda.Event | None) -> tuple[int, torch.cuda.Event | None]:
         layer, slots = self._plan[i]
-        if self._side is None:  # CPU: whole blocks, every head alike, one memcpy each, little Python (the GIL)
-            start, t = time.perf_counter(), self.block_tokens
-            dst, src = self._buffer_bytes[i % 2], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
-            for j, slot in enumerate(slots.tolist()):
-                dst[:, :, j * t:(j + 1) * t] = src[slot]
-            self._count(self._bytes(slots.shape[0] * t), time.perf_counter() - start)
-            return slots.shape[0] * t, None
-        return self._copy(layer, slots[:, None].expand(-1, self.buffer.shape[2]), i % 2, stream=self._side, after=free)
+        # [n, 1]: every head the same block, so no per-head bookkeeping (Python holding the GIL the step waits for)
+        return self._copy(layer, slots[:, None], i % 2, stream=self._side, after=free)
 
     def spare_half(self) -> int:
         """The half no exact piece is being fetched into now (sparse fetches go there)."""
@@ -320,10 +314,11 @@ class FetchArea:
     def gather(self, layer: int, slots: torch.Tensor, half: int, pages: torch.Tensor | None = None,
                page_tokens: int | None = None) -> int:
         """Layer `layer` of host blocks, or of pages of them, into one half: slots [n, H] (a CPU tensor), item
-        j of head h is from block `slots[j, h]` (exact: the same for every head; sparse: each head its own);
-        `pages` [n, H] (CPU): which page of `page_tokens` (P) tokens of that block (None: the whole block,
-        P = T). Lands at tokens [0, n P) of the half, each head's K and V contiguous. Returns n P. On CUDA
-        the copies are queued on the current stream (attention after it on that stream sees them)."""
+        j of head h is from block `slots[j, h]` (sparse: each head its own), or [n, 1]: every head from
+        block `slots[j, 0]` (exact); `pages` [n, H] (CPU): which page of `page_tokens` (P) tokens of that block
+        (None: the whole block, P = T). Lands at tokens [0, n P) of the half, each head's K and V contiguous.
+        Returns n P. On CUDA the copies are queued on the current stream (attention after it on that stream
+        sees them)."""
         return self._copy(layer, slots, half, pages, page_tokens)[0]
 
     def _copy(self, layer: int, slots: torch.Tensor, half: int, pages: torch.Tensor | None = None,
