@@ -63,6 +63,44 @@ def test_table_prints_units(capsys):
     assert "GiB" in out and "GB" in out and "fits" in out
 
 
+LLAMA70 = ["--model", "llama-3.1-70b", "--context", "128k", "--concurrency", "32", "--gpu", "h100"]
+
+
+def test_no_tp_chooses_the_smallest_that_holds_weights_and_a_request(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # rich wraps the table at the terminal's width
+    # bf16 weights 141.2 GB: tp1 cannot hold them; tp2 holds them but leaves 4.27 GB beside them, less than one
+    # request's 21.47 GB of KV; tp4 leaves 39.8 GB: 3 requests of 10.74 GB per replica, 11 replicas for 32
+    out = _cli_json(capsys, *LLAMA70)
+    assert (out["tp"], out["tp_chosen"], out["max_concurrency"]) == (4, True, 3)
+    assert (out["cluster_tp"], out["replicas"], out["gpus"], out["nodes"]) == (4, 11, 44, 6)
+    _run(*LLAMA70)
+    table = capsys.readouterr().out
+    assert "11 replicas x tp4 = 44 GPUs = 6 nodes" in table and "tp4 chosen" in table and " 0 GPUs" not in table
+
+
+def test_tp_too_small_for_the_weights_is_one_line_naming_the_tp_that_holds_them(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *LLAMA70, "--tp", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "weights need tp >= 2 on h100" in err
+
+
+def test_tp_that_holds_weights_but_no_request_sizes_the_cluster_at_the_tp_that_does(capsys):
+    out = _cli_json(capsys, *LLAMA70, "--tp", "2")
+    assert (out["tp"], out["tp_chosen"], out["max_concurrency"]) == (2, False, 0)
+    assert (out["cluster_tp"], out["replicas"], out["gpus"], out["nodes"]) == (4, 11, 44, 6)
+
+
+def test_no_tp_holds_a_request_says_so_instead_of_zero_gpus(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    out = _cli_json(capsys, "--model", "llama-3.1-8b", "--context", "10000k")
+    assert (out["tp"], out["replicas"], out["gpus"]) == (1, 0, 0)
+    _run("--model", "llama-3.1-8b", "--context", "10000k")
+    table = capsys.readouterr().out
+    assert "0 GPUs" not in table and "none: no tensor-parallel size holds one" in table
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "gpt-17"], "unknown model"),
     (["--model", "smollm2", "--gpu", "tpu-v9"], "unknown GPU"),

@@ -22,7 +22,8 @@ def register(app: typer.Typer) -> None:
                                                "(bandwidth, FLOP/s and TDP stay those of --gpu)"),
         kv_dtype: str = typer.Option("bf16", help="fp32, bf16, fp16, fp8, int8, int4"),
         weight_dtype: str = typer.Option("bf16", help="fp32, bf16, fp16, fp8, int8, int4"),
-        tp: int = typer.Option(1, help="tensor-parallel ranks"),
+        tp: int = typer.Option(None, help="tensor-parallel ranks (default: the smallest that holds the weights "
+                                          "and one request's KV)"),
         gpu_mem_util: float = typer.Option(0.9, help="fraction of HBM the server may use (vLLM's 0.9)"),
         ttft_target: float = typer.Option(1.0, help="seconds within which a cached prefix must be restored"),
         host_mem: str = typer.Option("2TiB", help="host DRAM per node, for the tier plan"),

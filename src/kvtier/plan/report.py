@@ -41,9 +41,15 @@ def _rows(r: PlanResult) -> list[tuple[str, str]]:
          f"ssd {meets['ssd']})"),
         ("restore time of one prefix by tier", ", ".join(f"{k}: {v:.3f} s" for k, v in r.restore_s_by_tier.items())),
         ("decode bound (HBM bandwidth)", f"{r.decode_tokens_per_s:,.0f} tokens/s per replica"),
-        ("cluster to hold it all in HBM", f"{r.replicas} replicas x tp{r.tp} = {r.gpus} GPUs = {r.nodes} nodes, "
-                                          f"{r.facility_watts[0] / 1e3:.1f}-{r.facility_watts[1] / 1e3:.1f} kW facility"),
+        ("cluster to hold it all in HBM", _cluster(r)),
     ]
+
+
+def _cluster(r: PlanResult) -> str:
+    if not r.replicas:
+        return "none: no tensor-parallel size holds one request's KV beside the weights"
+    return (f"{r.replicas} replicas x tp{r.cluster_tp} = {r.gpus} GPUs = {r.nodes} nodes, "
+            f"{r.facility_watts[0] / 1e3:.1f}-{r.facility_watts[1] / 1e3:.1f} kW facility")
 
 
 def _per_mode(o: OffloadPlan, row) -> tuple[str, str]:
@@ -124,7 +130,7 @@ def render(result: PlanResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvtier plan: {result.model} on {result.gpu} x tp{result.tp}, {result.context:,} tokens "
+    table = Table(title=f"kvtier plan: {result.model} on {result.gpu} x tp{result.tp}{' (chosen)' if result.tp_chosen else ''}, {result.context:,} tokens "
                         f"x {result.concurrency} requests, KV {result.kv_dtype}, weights {result.weight_dtype}")
     table.add_column("item")
     table.add_column("value (GiB = 2^30 B, GB = 10^9 B)")

@@ -72,12 +72,14 @@ class PlanResult:
     restore_s_by_tier: dict
     tier_plan: dict
     decode_tokens_per_s: float     # memory-bandwidth bound, all sequences of the replica together
-    replicas: int
+    cluster_tp: int                # tp of the cluster's replicas: tp, or the smallest above it that holds a request
+    replicas: int                  # 0 only when no TP size holds one request's KV (then gpus and nodes are 0 too)
     gpus: int
     nodes: int
     facility_watts: tuple
     notes: list
     estimates: dict                # how activations, overhead and the decode bound are estimated
+    tp_chosen: bool = False        # tp was not given: the smallest that holds the weights and one request's KV
     offload: OffloadPlan | None = None  # when the KV does not fit: serving it with cold blocks off the device
 
     def to_dict(self) -> dict:
@@ -119,26 +121,78 @@ def _check(context: int, concurrency: int, tp: int, gpu_mem_util: float, ttft_ta
         raise UserError(f"--host-mem must be positive, got {host_mem_bytes_per_node}")
 
 
+def tp_sizes(model: ModelSpec) -> list[int]:
+    """Tensor-parallel sizes a serving engine accepts: the divisors of the attention heads (vLLM's rule)."""
+    return [n for n in range(1, model.num_heads + 1) if model.num_heads % n == 0]
+
+
+def kv_room_bytes(model: ModelSpec, usable_bytes: float, concurrency: int, weight_dtype: str, tp: int) -> float:
+    """HBM per GPU left for KV at `tp` (negative: the weights, activations and overhead alone do not fit)."""
+    return usable_bytes - model.weights_bytes(weight_dtype) / tp - _activations(model, concurrency, tp) - OVERHEAD_BYTES
+
+
+def _smallest_tp(model: ModelSpec, usable_bytes: float, concurrency: int, weight_dtype: str,
+                 kv_bytes_of_tp, start: int = 1) -> int | None:
+    """The smallest TP size >= `start` whose KV room holds `kv_bytes_of_tp(tp)` (None: none does)."""
+    for tp in tp_sizes(model):
+        if tp >= start and kv_room_bytes(model, usable_bytes, concurrency, weight_dtype, tp) >= kv_bytes_of_tp(tp):
+            return tp
+    return None
+
+
+def weights_tp(model: ModelSpec, usable_bytes: float, concurrency: int, weight_dtype: str) -> int | None:
+    """The smallest TP size whose weights, activations and overhead fit one GPU with some room for KV."""
+    return _smallest_tp(model, usable_bytes, concurrency, weight_dtype, lambda tp: 1)
+
+
+def request_tp(model: ModelSpec, usable_bytes: float, context: int, concurrency: int, kv_dtype: str,
+               weight_dtype: str, start: int = 1) -> int | None:
+    """The smallest TP size >= `start` that holds the weights and one request's KV."""
+    return _smallest_tp(model, usable_bytes, concurrency, weight_dtype,
+                        lambda tp: model.kv_bytes(context, kv_dtype, tp), start)
+
+
+def _choose_tp(model: ModelSpec, gpu: GPUSpec, usable: float, context: int, concurrency: int, kv_dtype: str,
+               weight_dtype: str, tp: int | None) -> int:
+    """`tp` when it holds the weights; when None, the smallest TP that holds the weights and one request's KV
+    (or else the weights alone: the KV then spills). A `tp` too small for the weights is a one-line error."""
+    least = weights_tp(model, usable, concurrency, weight_dtype)
+    if least is None:
+        raise UserError(f"{model.name}'s {weight_dtype} weights do not fit {gpu.name} at any tensor-parallel size "
+                        f"(up to tp{model.num_heads}): lower --weight-dtype or take a larger --gpu")
+    if tp is None:
+        return request_tp(model, usable, context, concurrency, kv_dtype, weight_dtype) or least
+    if kv_room_bytes(model, usable, concurrency, weight_dtype, tp) <= 0:
+        raise UserError(f"{model.name}'s {weight_dtype} weights need tp >= {least} on {gpu.name} "
+                        f"(at tp{tp} weights + activations + overhead exceed the usable "
+                        f"{usable / GIB:.1f} GiB per GPU); leave --tp out to choose it")
+    return tp
+
+
 def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrency: int, kv_dtype: str = "bf16",
-         weight_dtype: str = "bf16", tp: int = 1, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
+         weight_dtype: str = "bf16", tp: int | None = None, gpu_mem_util: float = 0.9, ttft_target_s: float = 1.0,
          host_mem_bytes_per_node: float = HOST_MEM_BYTES_PER_NODE,
          offload: OffloadOptions = OffloadOptions()) -> PlanResult:
     """Size `concurrency` requests of `context` tokens for `model` on `gpu` x `tp` (one replica),
     then the tiers for what spills and the cluster that would hold it all in HBM. When the KV does not
-    fit, `offload` sizes the other answer: one replica serving it with cold blocks off the device."""
+    fit, `offload` sizes the other answer: one replica serving it with cold blocks off the device.
+    `tp=None` chooses the smallest TP that holds the weights and one request's KV; a `tp` whose GPUs cannot
+    hold the weights is a UserError naming the TP that can."""
     if isinstance(model, str):
         model = model_spec(model)
     if isinstance(gpu, str):
         gpu = gpu_spec(gpu)
-    _check(context, concurrency, tp, gpu_mem_util, ttft_target_s, host_mem_bytes_per_node)
+    _check(context, concurrency, 1 if tp is None else tp, gpu_mem_util, ttft_target_s, host_mem_bytes_per_node)
     notes = [f"KV {kv_dtype_note(kv_dtype)}"]
+    usable = gpu.hbm_bytes * gpu_mem_util
+    tp_chosen = tp is None
+    tp = _choose_tp(model, gpu, usable, context, concurrency, kv_dtype, weight_dtype, tp)
     if context > model.max_context:
         notes.append(f"context {context} exceeds the model's {model.max_context}")
     if tp > model.num_kv_heads and not model.is_mla:
         notes.append(f"tp {tp} > {model.num_kv_heads} KV heads: KV heads are replicated on every rank")
     if model.is_mla:
         notes.append("MLA: the latent KV is replicated on every TP rank")
-    usable = gpu.hbm_bytes * gpu_mem_util
     kv_req = model.kv_bytes(context, kv_dtype, tp)            # one request, one rank
     kv_gpu = kv_req * concurrency
     weights = model.weights_bytes(weight_dtype)
@@ -146,14 +200,21 @@ def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrenc
     act = _activations(model, concurrency, tp)
     fixed = weights_gpu + act + OVERHEAD_BYTES
     kv_capacity = max(0.0, usable - fixed)
-    if kv_capacity == 0:
-        notes.append(f"weights + activations + overhead alone exceed the usable HBM per GPU: raise --tp "
-                     f"or lower --weight-dtype (no replica can be built, so the cluster size is 0)")
     needed = fixed + kv_gpu
     max_conc = int(kv_capacity // kv_req) if kv_req else 0
     spill = max(0.0, kv_gpu - kv_capacity) * tp
-    replicas = math.ceil(concurrency / max_conc) if max_conc else 0
-    gpus = replicas * tp
+    cluster_tp, replicas = _cluster(model, usable, context, concurrency, kv_dtype, weight_dtype, tp, max_conc)
+    if tp_chosen:
+        holds = "the weights and one request's KV" if max_conc else "the weights (none holds one request's KV too)"
+        notes.append(f"tp{tp} chosen: the smallest tensor-parallel size (a divisor of the {model.num_heads} "
+                     f"attention heads) that holds {holds}; --tp sets it")
+    if not replicas:
+        notes.append(f"no tensor-parallel size of {gpu.name} holds one request's KV ({context:,} tokens) beside the "
+                     f"weights: no cluster holds it all in HBM (offload, or a shorter context)")
+    elif cluster_tp != tp:
+        notes.append(f"one request's KV does not fit beside the weights at tp{tp}: the cluster that holds it all "
+                     f"in HBM is sized at tp{cluster_tp}")
+    gpus = replicas * cluster_tp
     kv_total = kv_gpu * tp
     restore_bw = kv_req / ttft_target_s          # per GPU, each rank restores its shard in parallel
     # one decode step reads the active weights and every sequence's KV once
@@ -171,12 +232,26 @@ def plan(model: ModelSpec | str, gpu: GPUSpec | str, *, context: int, concurrenc
                            "ssd (NVMe)": kv_req / NVME_SEQ},
         tier_plan=_tier_plan(spill, tp, host_mem_bytes_per_node, restore_bw),
         decode_tokens_per_s=concurrency * gpu.hbm_bandwidth_bytes_s / step_bytes,
-        replicas=replicas, gpus=gpus, nodes=math.ceil(gpus / GPUS_PER_NODE) if gpus else 0,
-        facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes, estimates=ESTIMATES)
+        cluster_tp=cluster_tp, replicas=replicas, gpus=gpus, nodes=math.ceil(gpus / GPUS_PER_NODE) if gpus else 0,
+        facility_watts=tuple(gpus * gpu.tdp_watts * f for f in POWER_FACTORS), notes=notes, estimates=ESTIMATES,
+        tp_chosen=tp_chosen)
     if not result.fits:
         host_kv = HOST_KV_FRACTION * host_mem_bytes_per_node * _nodes(tp)
         result.offload = plan_offload(result, model, gpu, offload, host_kv)
     return result
+
+
+def _cluster(model: ModelSpec, usable: float, context: int, concurrency: int, kv_dtype: str, weight_dtype: str,
+             tp: int, max_conc: int) -> tuple[int, int]:
+    """(tp, replicas) of the cluster that holds every request's KV in HBM: at `tp` when one request fits
+    there, else at the smallest TP above it that holds one; (tp, 0) when none does."""
+    if max_conc:
+        return tp, math.ceil(concurrency / max_conc)
+    bigger = request_tp(model, usable, context, concurrency, kv_dtype, weight_dtype, start=tp + 1)
+    if bigger is None:
+        return tp, 0
+    room = kv_room_bytes(model, usable, concurrency, weight_dtype, bigger)
+    return bigger, math.ceil(concurrency / int(room // model.kv_bytes(context, kv_dtype, bigger)))
 
 
 def _nodes(tp: int) -> int:
