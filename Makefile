@@ -15,7 +15,11 @@ LMCACHE_VENV := .venv-lmcache
 LMCACHE_BIN := $(LMCACHE_VENV)/bin
 LMCACHE_STAMP := $(LMCACHE_VENV)/.kvtier-installed
 
-.PHONY: run test setup system-deps vllm lmcache gpu-check
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_BIN := $(DYNAMO_VENV)/bin
+DYNAMO_STAMP := $(DYNAMO_VENV)/.kvtier-installed
+
+.PHONY: run test setup system-deps vllm lmcache dynamo gpu-check
 
 # Debian packages: redis-server for the Redis tier and its tests; the RDMA/NUMA
 # libraries that the Mooncake transfer engine links against (TCP is used here); chromium for the
@@ -73,10 +77,22 @@ $(LMCACHE_STAMP):
 
 lmcache: $(LMCACHE_STAMP)
 
+# NVIDIA Dynamo's standalone KV indexer (`python -m dynamo.indexer`: a Rust service with an HTTP API, no NATS
+# or etcd), the consumer of the KV events the vLLM connector publishes (tests/integrations/test_vllm_kv_events.py).
+# Its own environment: it needs nothing of kvtier's or vLLM's. `make test` builds it.
+$(DYNAMO_STAMP):
+	test -d $(DYNAMO_VENV) || $(PY) -m venv $(DYNAMO_VENV)
+	echo '*' > $(DYNAMO_VENV)/.gitignore  # git ignores the environment, as .gitignore does the others
+	$(DYNAMO_BIN)/pip install -q ai-dynamo-runtime==1.6.1
+	$(DYNAMO_BIN)/python -m dynamo.indexer --help >/dev/null
+	touch $(DYNAMO_STAMP)
+
+dynamo: $(DYNAMO_STAMP)
+
 run: $(STAMP)
 	$(BIN)/kvtier serve
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(DYNAMO_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The connector's GPU path on a CUDA machine (README, "kvtier inside vLLM"): its CUDA tests, then vLLM's CUDA
