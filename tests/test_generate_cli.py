@@ -20,12 +20,12 @@ def test_shared_options_have_the_serve_defaults_and_help():
 
 @pytest.mark.parametrize("argv, message", [
     (["--kv-codec", "int3"], "kvtier: error: kv_codec must be one of raw, fp8, int8, int4, int2, got 'int3'\n"),
-    (["--block-tokens", "0"], "kvtier: error: EngineConfig.block_tokens must be positive, got 0\n"),
+    (["--block-tokens", "0"], "kvtier: error: block_tokens must be positive (>= 1), got 0\n"),
     (["--codec", "zip"], "kvtier: error: unknown codec 'zip': use one of raw, fp8, int8, int4, int2, optionally "
                          "with '+zstd'\n"),
     (["--kv-codec", "int4", "--kv-offload", "exact"],
      "kvtier: error: kv_offload needs the raw device and tier formats (kv_codec 'int4', codec 'raw'): offloaded "
-     "blocks are attended to as they are\n"),
+     "blocks are attended to as they are; kv_codec raw and codec raw work\n"),
     (["--device-kv-budget", "1MiB"],
      "kvtier: error: --device-kv-budget runs the serving engine and needs --kv-offload exact|sparse:BUDGET "
      "(--kv-offload alone offloads through TieredCache)\n"),

@@ -87,8 +87,9 @@ def sparse_page_tokens(page_tokens: int, block_tokens: int) -> int:
     block; a page must divide the block. ValueError otherwise."""
     page = min(page_tokens, block_tokens)
     if page <= 0 or block_tokens % page:
+        works = max(n for n in range(1, max(page, 1) + 1) if block_tokens % n == 0)
         raise ValueError(f"offload_page_tokens ({page_tokens}) must divide block_tokens ({block_tokens}): a "
-                         "block is a whole number of pages")
+                         f"block is a whole number of pages; offload_page_tokens {works} works")
     return page
 
 
@@ -264,9 +265,10 @@ class EngineConfig:
         for name in ("device_kv_budget_bytes", "block_tokens", "max_num_seqs", "max_prefill_tokens",
                      "offload_recent_blocks", "offload_page_tokens"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.offload_sink_blocks < 0 or self.offload_fetch_blocks < 0:
-            raise ConfigError("offload_sink_blocks and offload_fetch_blocks must be >= 0")
+                raise ConfigError(f"{_setting_name(name)} must be positive (>= 1), got {getattr(self, name)}")
+        for name in ("offload_sink_blocks", "offload_fetch_blocks"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         try:
             offload = self.offload_mode()
         except ValueError as exc:
@@ -278,12 +280,18 @@ class EngineConfig:
                 raise ConfigError(str(exc)) from None
         if offload is not None and (self.kv_codec != "raw" or self.codec != "raw"):
             raise ConfigError(f"kv_offload needs the raw device and tier formats (kv_codec {self.kv_codec!r}, "
-                              f"codec {self.codec!r}): offloaded blocks are attended to as they are")
+                              f"codec {self.codec!r}): offloaded blocks are attended to as they are; kv_codec raw "
+                              f"and codec raw work")
         if self.max_model_tokens is not None and self.max_model_tokens <= 0:
-            raise ConfigError(f"EngineConfig.max_model_tokens must be positive, got {self.max_model_tokens}")
+            raise ConfigError(f"max_model_tokens must be positive (>= 1), got {self.max_model_tokens}")
         from kvtier.codecs import get_codec
 
         get_codec(self.codec)  # an unknown codec: a UserError naming it
+
+
+def _setting_name(field_name: str) -> str:
+    """The name a user sets a field by (`device_kv_budget` for `device_kv_budget_bytes`)."""
+    return "device_kv_budget" if field_name == "device_kv_budget_bytes" else field_name
 
 
 def _nested(s: Setting, parent: str) -> Setting:

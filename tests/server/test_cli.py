@@ -49,7 +49,7 @@ def test_file_then_flags(tmp_path):
     ("port = [", "cannot parse "),
     ("port = 'eighty'", "port must be an integer, got 'eighty'"),
     ("port = 70000", "port must be 1-65535, got 70000"),
-    ("block_tokens = 0", "EngineConfig.block_tokens must be positive, got 0"),
+    ("block_tokens = 0", "block_tokens must be positive (>= 1), got 0"),
     ("prefix_caching = 'yes'", "prefix_caching must be true or false, got 'yes'"),
     ("kv_codec = 'int3'", "kv_codec must be one of raw, fp8, int8, int4, int2, got 'int3'"),
     ("tier_writes = 'never'", "tier_writes must be 'full' or 'evict', got 'never'"),

@@ -27,6 +27,7 @@ from kvtier.codecs import get_codec
 from kvtier.config import PAGE_SUMMARY_VECTORS, EngineConfig
 from kvtier.engine.arena import make_arena
 from kvtier.engine.block_manager import BlockManager
+from kvtier.engine.limits import check_engine, fetch_half_blocks
 from kvtier.engine.model_runner import ModelRunner, RunOutput
 from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, page_summary,
                                    parse_offload)
@@ -111,6 +112,9 @@ class LLMEngine:
         self.config = config
         self.manager = manager
         self.layout = loaded.kv_layout(config.block_tokens)
+        model_config = loaded.model.config.get_text_config(decoder=True)
+        check_engine(self.layout, config, model_config,  # every refusal, as a one-line ConfigError, before building
+                     has_host_tier=manager is not None and manager.host_tier() is not None)
         device = next(loaded.model.parameters()).device
         self.offload_mode = config.offload_mode()
         self.fetch = self._fetch_area(manager, device) if self.offload_mode is not None else None
@@ -119,15 +123,8 @@ class LLMEngine:
                                 max_open_blocks=config.max_num_seqs)
         self.num_blocks = self.arena.num_blocks
         self.codec = get_codec(config.codec)
-        model_config = loaded.model.config.get_text_config(decoder=True)
-        _require_full_attention(model_config)
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.num_blocks)
-        window = config.offload_sink_blocks + config.offload_recent_blocks
-        if self.fetch is not None and window >= self.num_blocks:
-            raise ValueError(f"kv_offload: the device window ({window} blocks: {config.offload_sink_blocks} sink + "
-                             f"{config.offload_recent_blocks} recent) does not fit the {self.num_blocks} blocks the "
-                             "budget holds beside the fetch area: raise the budget or lower block_tokens")
         eos_token_ids = _eos_token_ids(loaded.model)
         self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids,
                                   OffloadAttention(self.fetch, self.layout.num_layers, config.page_tokens)
@@ -153,19 +150,12 @@ class LLMEngine:
 
     def _fetch_area(self, manager, device) -> FetchArea:
         """The device memory host blocks are attended from, taken out of the budget."""
-        host = manager.host_tier() if manager is not None else None
-        if host is None:
-            raise ValueError("kv_offload needs a DRAM tier (dram:SIZE) first in the tier stack: offloaded blocks "
-                             "live in its memory")
+        host = manager.host_tier()  # check_engine: there is one
         layout, config = self.layout, self.config
-        layer_block_bytes = layout.block_bytes // layout.num_layers
-        half = config.offload_fetch_blocks or max(1, config.device_kv_budget_bytes // 8 // (2 * layer_block_bytes))
+        half = fetch_half_blocks(layout, config)
         window_tokens = (config.offload_sink_blocks + config.offload_recent_blocks) * layout.block_tokens
         fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
                           getattr(torch, layout.dtype), device, window_tokens)
-        if fetch.nbytes >= config.device_kv_budget_bytes:
-            raise ValueError(f"kv_offload: a fetch area of {fetch.nbytes:,} B does not fit the device KV budget "
-                             f"({config.device_kv_budget_bytes:,} B): lower offload_fetch_blocks")
         fetch.host = manager.host_payloads(getattr(torch, layout.dtype), layout.block_shape)
         self.host_slots = host.num_slots
         return fetch
@@ -546,14 +536,6 @@ class LLMEngine:
                 generated[output.request_id] += output.new_token_ids
         self.wait_for_transfers()  # offline: finished means the blocks are down in the tiers too
         return [generated[request_id] for request_id in ids]
-
-
-def _require_full_attention(config) -> None:
-    # paged_attention attends to every cached token: a sliding-window layer would see too much
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    if any(kind != "full_attention" for kind in layer_types) or sliding:
-        raise ValueError("the engine serves full-attention models only (this one has sliding-window layers)")
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:

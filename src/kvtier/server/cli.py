@@ -8,21 +8,32 @@ from kvtier.config import command_settings
 from kvtier.server.config import ServeConfig
 
 
-def build_app(config: ServeConfig):
-    """Model, tiers, engine and app from a `ServeConfig` (also used by tests and benchmarks)."""
+def build_engine(config: ServeConfig):
+    """(loaded model, engine, tier manager or None) from a `ServeConfig`: every setting the engine or a tier
+    would refuse is a one-line ConfigError before any of them takes memory."""
     from kvtier import models
     from kvtier.codecs import get_codec
-    from kvtier.engine import AsyncEngine, LLMEngine
-    from kvtier.server.app import create_app
-    from kvtier.server.tokenizer import ByteTokenizer
+    from kvtier.engine import LLMEngine
+    from kvtier.engine.limits import check_engine, check_tiers
     from kvtier.tiers.manager import build_manager
 
     loaded = models.load(config.model)
     layout = loaded.kv_layout(config.engine.block_tokens)
-    manager = None
-    if config.tiers:
-        manager = build_manager(config.tiers, slot_bytes=get_codec(config.engine.codec).max_encoded_bytes(layout))
-    engine = LLMEngine(loaded, config.engine, manager)
+    slot_bytes = get_codec(config.engine.codec).max_encoded_bytes(layout)
+    check_tiers(config.tiers, slot_bytes)
+    check_engine(layout, config.engine, loaded.model.config.get_text_config(decoder=True),
+                 has_host_tier=bool(config.tiers) and config.tiers[0].kind == "dram")
+    manager = build_manager(config.tiers, slot_bytes=slot_bytes) if config.tiers else None
+    return loaded, LLMEngine(loaded, config.engine, manager), manager
+
+
+def build_app(config: ServeConfig):
+    """Model, tiers, engine and app from a `ServeConfig` (also used by tests and benchmarks)."""
+    from kvtier.engine import AsyncEngine
+    from kvtier.server.app import create_app
+    from kvtier.server.tokenizer import ByteTokenizer
+
+    loaded, engine, manager = build_engine(config)
 
     def on_shutdown() -> None:
         if manager is not None:
