@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.tiers.events import TierEvents
 from kvtier.tiers.health import TierHealth
 
 STREAM_CHUNK_BLOCKS = 4  # `TierManager.stream` reads this many blocks per batched get, one chunk ahead (DRAM, SSD)
@@ -47,6 +48,7 @@ class Tier(Protocol):
     stream_chunk_blocks: int       # blocks per batched get when `TierManager.stream` reads from here
     stats: TierStats
     health: TierHealth             # readable / writable, transitions, retry back-off
+    events: TierEvents | None      # set by `TierManager.watch()`: announce what lands and leaves (tiers/events.py)
 
     def contains_many(self, keys: list[bytes]) -> list[bool]: ...
     def pin_many(self, keys: list[bytes]) -> list[bool]: ...             # contains, and held until unpin

@@ -37,6 +37,7 @@ from kvtier.errors import UserError
 from kvtier.lru import LRUIndex
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
+from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
 from kvtier.tiers.health import TierHealth
 from kvtier.units import fmt_bytes
 
@@ -75,6 +76,7 @@ class DiskTier:
     name = "ssd"
     in_process = False  # the blocks crossed a medium (a file, maybe another process's): full payload proof
     stream_chunk_blocks = STREAM_CHUNK_BLOCKS
+    events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
 
     def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
         self.directory = Path(directory)
@@ -202,6 +204,7 @@ class DiskTier:
         for victim, _ in victims:
             self._remove(self._path(victim))
             self.stats.evictions += 1
+        announce_removed(self, [victim for victim, _ in victims])
         with self._index_lock:
             self._in_flux.difference_update(victim for victim, _ in victims)
 
@@ -327,6 +330,7 @@ class DiskTier:
                 return
             self._lru.pop(key)
         self.stats.errors += 1
+        announce_removed(self, [key])
 
     @staticmethod
     def _stamp(paths: list[Path]) -> None:
@@ -371,6 +375,7 @@ class DiskTier:
         else:
             self.stats.puts += 1
             self.stats.bytes_written += len(data)
+            announce_stored(self, [key])
         finally:
             with self._index_lock:
                 self._in_flux.discard(key)
@@ -433,6 +438,7 @@ class DiskTier:
                 return False
             self._in_flux.add(key)
         self._remove(self._path(key))
+        announce_removed(self, [key])
         with self._index_lock:
             self._in_flux.discard(key)
         return True

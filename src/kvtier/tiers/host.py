@@ -31,6 +31,7 @@ from kvtier.codecs.header import HEADER_BYTES, CorruptBlockError, verify
 from kvtier.lru import LRUIndex
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases
+from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
 from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class HostTier:
     name = "dram"
     in_process = True  # its slots never leave this process: blocks are checked by their key-bound header
     stream_chunk_blocks = STREAM_CHUNK_BLOCKS
+    events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         if slot_bytes <= 0 or capacity_bytes < slot_bytes:
@@ -230,6 +232,7 @@ class HostTier:
             evicted.append((victim, None if self._below[slot] else self._read(slot)))
             self._free_slots.append(slot)
             self.stats.evictions += 1
+        announce_removed(self, [victim for victim, _ in victims])
         slot = self._free_slots.pop()
         offset = slot * self.slot_bytes
         self._arena_np[offset:offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
@@ -238,6 +241,7 @@ class HostTier:
         self._key_to_slot[key] = slot
         self.stats.puts += 1
         self.stats.bytes_written += len(data)
+        announce_stored(self, [key])
         return evicted
 
     def _oversize(self, num_bytes: int) -> None:
@@ -253,6 +257,7 @@ class HostTier:
             if slot is None:
                 return False
             self._lru.pop(key)
+            announce_removed(self, [key])
             if self._slot_pins[slot]:  # a reader still holds a view of it: freed at its last release
                 self._orphans.add(slot)
                 self._lru.capacity = self.num_slots - len(self._orphans)
@@ -276,6 +281,7 @@ class HostTier:
             if not self._consistent():
                 log.warning("dram tier: bookkeeping inconsistent after an error; dropping its %d blocks",
                             len(self._key_to_slot))
+                announce_removed(self, list(self._key_to_slot))
                 self._key_to_slot.clear()
                 self._lru.clear()
                 # a slot still leased to a reader stays out of use until its release

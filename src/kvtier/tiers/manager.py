@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from kvtier.codecs.header import CorruptBlockError, Header, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
+from kvtier.tiers.events import TierEvents
 from kvtier.tiers.health import HealthProber
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.writeback import WriteBack
@@ -163,6 +164,20 @@ class TierManager:
     @property
     def num_dropped_writes(self) -> int:
         return self._writeback.num_dropped
+
+    @property
+    def num_pending_writes(self) -> int:
+        """Lower-tier write batches not landed yet (their stored events still to come)."""
+        return self._writeback.num_pending
+
+    def watch(self) -> TierEvents:
+        """From now on every tier announces what lands in it and what leaves it (`tiers/events.py`):
+        drain the returned log with `take()`. Watching again returns the same log."""
+        if self.tiers[0].events is None:
+            log = TierEvents()
+            for tier in self.tiers:
+                tier.events = log
+        return self.tiers[0].events
 
     def _guarded(self, tier: Tier, what: str, fn, fallback, *, writing: bool = False):
         """Call a tier on one side — reads under its read lock, writes under its write lock — unless

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.buffers import Leases
+from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
 from kvtier.tiers.health import TierHealth
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class PoolTier:
     # (two of 8 for a 16-block prefix) restored 3-8% faster than gets of 4 on 2026-12-06 (docs/BENCHMARKS.md),
     # the second get still overlapping the first's verify and copies.
     stream_chunk_blocks = 8
+    events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
 
     def __init__(self, name: str, backend: Backend, *, connect: bool = True) -> None:
         self.name = name
@@ -80,10 +82,18 @@ class PoolTier:
         if not keys:
             return []
         try:
-            return self.backend.exists(self._names(keys))
+            held = self.backend.exists(self._names(keys))
         except PoolError as exc:
             self._failed("lookup", exc)
             return [False] * len(keys)
+        self._announce_missing(keys, held)
+        return held
+
+    def _announce_missing(self, keys: list[bytes], found: list) -> None:
+        """The service evicts on its own and says nothing: a block we wrote is known gone at its next
+        miss (a watcher ignores misses of blocks it never saw stored)."""
+        if self.events is not None:
+            announce_removed(self, [key for key, got in zip(keys, found) if not got])
 
     def pin_many(self, keys: list[bytes]) -> list[bool]:
         """The service owns eviction: nothing can be pinned, a later read may miss (and fall through)."""
@@ -124,6 +134,8 @@ class PoolTier:
         except PoolError as exc:
             self._failed("get", exc)
             out = [None] * len(keys)
+        else:
+            self._announce_missing(keys, out)
         hits = [data(item) for item in out if item is not None]
         self.stats.hits += len(hits)
         self.stats.misses += len(out) - len(hits)
@@ -151,14 +163,17 @@ class PoolTier:
         self.stats.write_seconds += time.perf_counter() - start
         self._written_bytes += size
         self._written_blocks += len(items)
+        announce_stored(self, [key for key, _ in items])
         return []
 
     def delete(self, key: bytes) -> bool:
         try:
-            return self.backend.remove(self._names([key])[0])
+            removed = self.backend.remove(self._names([key])[0])
         except PoolError as exc:
             self._failed("delete", exc)
             return False
+        announce_removed(self, [key])  # gone either way: deleted now, or evicted by the service before
+        return removed
 
     def used_bytes(self) -> int:
         """The service's own figure where it gives one, else the bytes this process wrote."""

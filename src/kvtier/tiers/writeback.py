@@ -69,6 +69,11 @@ class WriteBack:
             top = self.tiers[0]
             self._guarded(top, "placed_below", lambda: top.placed_below(keys), None, writing=True)
 
+    @property
+    def num_pending(self) -> int:
+        """Batches queued or being written."""
+        return self._queue.unfinished_tasks if self._queue is not None else 0
+
     def flush(self) -> None:
         if self._queue is not None:
             self._queue.join()
