@@ -6,6 +6,7 @@ import time
 import httpx
 import openai
 import pytest
+from server_support import running, tiny_app
 
 
 def post(url, path, body):
@@ -117,6 +118,27 @@ def test_metrics_and_dashboard(tiny_server):
     assert data["model"] == "tiny" and [t["name"] for t in data["tiers"]] == ["dram"]
     assert data["engine"]["num_device_blocks_total"] == 96 and data["requests"]["finished"] >= 1
     assert data["engine"]["kv_codec"] == "raw" and data["engine"]["device_block_bytes"] > 0
+
+
+def test_only_api_requests_errors_are_counted(tiny_model):
+    """A browser on /dashboard also asks for /favicon.ico (served) and other icons (404): not request errors."""
+    with running(tiny_app(tiny_model)) as url:
+        for _ in range(2):
+            post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0})
+        icon = httpx.get(url + "/favicon.ico")
+        assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+        assert httpx.get(url + "/apple-touch-icon.png").status_code == 404
+        assert httpx.post(url + "/dashboard").status_code == 405
+        assert httpx.get(url + "/dashboard/data").json()["requests"]["errors"] == 0
+        assert httpx.get(url + "/v1/nothing").status_code == 404                          # API paths count
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny"}).status_code == 400
+        assert httpx.get(url + "/v1/completions").status_code == 405
+        data = httpx.get(url + "/dashboard/data").json()["requests"]
+        assert (data["finished"], data["errors"]) == (2, 3)
+        metrics = httpx.get(url + "/metrics").text
+        assert [line for line in metrics.splitlines() if line.startswith("kvtier_request_errors_total")] == [
+            'kvtier_request_errors_total{status="400"} 1.0', 'kvtier_request_errors_total{status="404"} 1.0',
+            'kvtier_request_errors_total{status="405"} 1.0']
 
 
 def test_client_disconnect_mid_stream_aborts_only_that_request(tiny_server):

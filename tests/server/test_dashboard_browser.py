@@ -52,5 +52,7 @@ def _render(url: str, tmp_path: Path) -> None:
     # hits / misses / evictions columns, as served by /dashboard/data at that moment (no traffic since)
     assert [int(c) for c in tier_row[5:8]] == [dram["hits"], dram["misses"], dram["evictions"]]
     assert f"finished\t{data['requests']['finished']}" in requests and data["requests"]["finished"] == 5
+    # the browser's own requests (its /favicon.ico) are not request errors: only the API's are counted
+    assert "errors\t0" in requests and data["requests"]["errors"] == 0
     assert dram["hits"] > 0 and dram["used_bytes"] > 0 and "dram" in data["engine"]["prefix_hit_tokens_by_tier"]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -39,6 +39,10 @@ from kvtier.server.generation import Delta, EngineAbortedError, Generation
 from kvtier.server.metrics import CONTENT_TYPE, EngineView, ServerMetrics
 
 _DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+API_PREFIX = "/v1/"  # the OpenAI API: its requests' errors are what kvtier_request_errors_total counts
+# what a browser asks for beside the dashboard: a KV block, in the dashboard's blue
+FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect x="1" y="3" width="14" height="4" '
+               'fill="#3b82f6"/><rect x="1" y="9" width="9" height="4" fill="#3b82f6"/></svg>')
 
 
 class BadRequest(Exception):
@@ -49,6 +53,7 @@ class BadRequest(Exception):
 
 class ClientGone(Exception):
     """The client went away before the request was answered (its engine request, if any, is aborted)."""
+
 
 
 @dataclass(slots=True)
@@ -103,8 +108,11 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str]
     return app
 
 
-def _error(state: ServerState, status: int, message: str, *, type_: str | None = None, param=None, code=None):
-    state.metrics.observe_error(status)
+def _error(state: ServerState, status: int, message: str, *, type_: str | None = None, param=None, code=None,
+           count: bool = True):
+    """The OpenAI error body; `count`: an API request's error (the request-error metric counts only those)."""
+    if count:
+        state.metrics.observe_error(status)
     type_ = type_ or ("invalid_request_error" if status < 500 else "server_error")
     return JSONResponse(protocol.error_body(message, type=type_, param=param, code=code), status_code=status)
 
@@ -125,7 +133,10 @@ def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return _error(state, exc.status_code, str(exc.detail), type_="not_found_error" if exc.status_code == 404 else None)
+        # a path outside the API (a browser's /apple-touch-icon.png, a scanner) is not a failed request
+        return _error(state, exc.status_code, str(exc.detail),
+                      type_="not_found_error" if exc.status_code == 404 else None,
+                      count=request.url.path.startswith(API_PREFIX))
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
@@ -140,6 +151,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():
+        return Response(FAVICON_SVG, media_type="image/svg+xml")
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard():

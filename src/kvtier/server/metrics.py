@@ -186,8 +186,8 @@ def _request_families(totals: RequestTotals) -> Iterator[Metric]:
                                    labels=["finish_reason"])
     for reason, num in sorted(totals.num_finished_by_reason.items()):
         finished.add_metric([reason], num)
-    errors = CounterMetricFamily("kvtier_request_errors", "Requests answered with an error, by HTTP status",
-                                 labels=["status"])
+    errors = CounterMetricFamily("kvtier_request_errors",
+                                 "API requests (/v1/...) answered with an error, by HTTP status", labels=["status"])
     for status, num in sorted(totals.num_errors_by_status.items()):
         errors.add_metric([status], num)
     yield from (finished, errors)
