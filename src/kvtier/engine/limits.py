@@ -110,8 +110,9 @@ def _check_budget(layout: KVLayout, config: EngineConfig) -> None:
     others = [alt for alt in (_block_tokens_that_works(layout, config, need),
                               _fetch_blocks_that_works(layout, config, need),
                               _num_seqs_that_works(layout, config, need)) if alt]
-    raise ConfigError(f"device_kv_budget {_size(config.device_kv_budget_bytes)} holds {have} block{'s' * (have != 1)} of "
-                      f"{layout.block_tokens} tokens{' beside ' + ' and '.join(beside) if beside else ''}; "
+    blocks = f"{have} block{'s' * (have != 1)} of {layout.block_tokens} tokens"
+    beside_text = f" beside {' and '.join(beside)}" if beside else ""
+    raise ConfigError(f"device_kv_budget {_size(config.device_kv_budget_bytes)} holds {blocks}{beside_text}; "
                       f"the engine needs {wanted}: device_kv_budget {_smallest_budget(layout, config, need)} "
                       f"works{' (or ' + ', or '.join(others) + ')' if others else ''}")
 
