@@ -18,7 +18,8 @@
   stored into a slot, not written back down, and pinned there (`TierManager.pin_host`).
 - save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into
   the manager, off the caller's step; a full queue drops the save (a future miss, counted).
-  `synchronous=True` runs each save on the caller's thread.
+  `synchronous=True` runs each save on the caller's thread; `on_thread_start` runs first on the save
+  thread (vLLM's CPU worker: `integrations/vllm/cpus.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -92,7 +93,8 @@ class BlockMover:
     `max_pending_saves`: the save queue's bound (0: unbounded)."""
 
     def __init__(self, manager: TierManager, codec: Codec, *, layout: KVLayout | None = None,
-                 max_pending_saves: int = 0, synchronous: bool = False) -> None:
+                 max_pending_saves: int = 0, synchronous: bool = False,
+                 on_thread_start: Callable[[], None] | None = None) -> None:
         self.manager = manager
         self.codec = codec
         self.layout = layout
@@ -101,7 +103,8 @@ class BlockMover:
         self._saves: queue.Queue | None = None
         if not synchronous:
             self._saves = queue.Queue(max_pending_saves)
-            self._saver = threading.Thread(target=self._drain, name="kvtier-save", daemon=True)
+            self._saver = threading.Thread(target=self._drain, args=(on_thread_start,), name="kvtier-save",
+                                           daemon=True)
             self._saver.start()
 
     # -- restore -------------------------------------------------------------------------------------
@@ -216,7 +219,9 @@ class BlockMover:
                 self.stats.num_blocks_dropped += len(job.keys)
             return False
 
-    def _drain(self) -> None:
+    def _drain(self, on_thread_start: Callable[[], None] | None) -> None:
+        if on_thread_start is not None:
+            on_thread_start()  # e.g. where the save thread runs beside an engine's forward
         while (job := self._saves.get()) is not None:
             try:
                 self._save(job)

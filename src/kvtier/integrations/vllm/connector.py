@@ -24,6 +24,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
+from kvtier.integrations.vllm.cpus import threads_started_off_forward
 from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec, for_rank
@@ -86,9 +87,10 @@ class KvtierConnector(KVConnectorBase_V1):
             self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
             self._scheduler = SchedulerSide(self._space, self._manager, self._world_size)
         else:
-            self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
-            self._worker = WorkerSide(self._space.layout, codec, self._manager,
-                                      max_pending_saves=config.max_pending_saves)
+            with threads_started_off_forward() as cpus:  # every tier, save and load thread: off the forward's core
+                self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
+                self._worker = WorkerSide(self._space.layout, codec, self._manager,
+                                          max_pending_saves=config.max_pending_saves, transfer_cpus=cpus)
         log.info("kvtier connector (%s, rank %d of %d): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
                  self._rank, self._world_size, [tier.name for tier in self._manager.tiers], codec.name, config.load,
                  self._space.layout.encode().decode())

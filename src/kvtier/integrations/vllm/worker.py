@@ -30,11 +30,13 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec
+from kvtier.integrations.vllm.cpus import run_torch_here
 from kvtier.integrations.vllm.cuda_mover import DeviceCopies
 from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
@@ -105,15 +107,19 @@ class _LayerwiseLoad:
 
 
 class WorkerSide:
-    def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *, max_pending_saves: int) -> None:
+    def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *, max_pending_saves: int,
+                 transfer_cpus: set[int] | None = None) -> None:
+        """`transfer_cpus`: where the load and save threads run their copies (`cpus.py`; None: anywhere)."""
         self.layout = layout
         self.codec = codec
         self.manager = manager
-        self.mover = BlockMover(manager, codec, layout=layout, max_pending_saves=max_pending_saves)
+        on_thread_start = partial(run_torch_here, transfer_cpus)
+        self.mover = BlockMover(manager, codec, layout=layout, max_pending_saves=max_pending_saves,
+                                on_thread_start=on_thread_start)
         self._saves_seen = MoverStats()  # the mover's save counters already reported by take_stats
         self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
         self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
-        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load", initializer=on_thread_start)
         self._lock = threading.Lock()
         self._done_loads: list[tuple[str, list[int]]] = []  # (req_id, block ids that failed)
         self._loaded_tiers: dict[str, list[str]] = {}      # req_id -> the tier each loaded block came from

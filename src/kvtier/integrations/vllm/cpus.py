@@ -1,0 +1,128 @@
+"""Where the connector's threads run in vLLM's CPU worker: off the core of the forward's main thread.
+
+vLLM's CPU worker binds its OpenMP threads one per core (`VLLM_CPU_OMP_THREADS_BIND=auto`): the main
+thread, which runs the forward's Python and is the OpenMP master, to the first core, the other OpenMP
+threads to the rest. A thread inherits the affinity of the thread that starts it, so every thread the
+connector started from the worker's main thread (loads, saves, write-back, prefetch, file reads) ran on
+the master's core and took its time slices: each millisecond of tier work was a millisecond of the
+forward's own Python and its share of every parallel region, with the other cores waiting at the next
+barrier. (LMCache's cache server is a process of its own that the kernel places on any core.)
+
+So the connector starts its threads on `transfer_cpus`: the cores vLLM reserved beside the forward
+(those no OpenMP thread is bound to; vLLM's NIXL connector moves its own transfers there too) or, where
+the forward holds every core (vLLM reserves none when the machine has no more cores than it wants to
+reserve), every core but the master's. Threads they start inherit it.
+
+One more trap: with `OMP_PROC_BIND=true`, a thread's first torch op that opens an OpenMP parallel
+region binds that thread to the first place (the master's core) and starts a team beside it. The
+threads that run torch copies (loads, saves) call `run_torch_here(cpus)` first: their own parallel
+regions use one thread (OpenMP's thread-count setting is per thread: the forward keeps its team), so
+nothing rebinds them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger("vllm.kvtier")
+
+
+def transfer_cpus(allowed: set[int], main: set[int], forward: set[int]) -> set[int]:
+    """The CPUs for the connector's threads. `allowed`: the CPUs the process may use; `main`: the
+    forward's main thread's; `forward`: every CPU an OpenMP thread of the forward is bound to."""
+    for cpus in (allowed - forward, allowed - main):
+        if cpus:
+            return cpus
+    return set(allowed)
+
+
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process may use: its parent's affinity (vLLM's engine core process does not bind
+    itself; the worker's own threads are bound by now), or every CPU where that cannot be read."""
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except OSError:
+        return set(range(os.cpu_count() or 1))
+
+
+def _thread_cpus() -> list[set[int]]:
+    """The affinity of each thread of this process."""
+    out = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            out.append(os.sched_getaffinity(int(task.name)))
+        except (OSError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out
+
+
+def omp_env_cpus(env: dict[str, str]) -> set[int]:
+    """The cores vLLM bound the worker's OpenMP threads to, as it wrote them into the worker's
+    environment (`OMP_PLACES={0,1}`, `GOMP_CPU_AFFINITY=0 1`, `KMP_AFFINITY=...,proclist=[0,1]`): the
+    OpenMP threads themselves may not have started yet when the connector is built."""
+    text = " ".join(filter(None, (env.get("OMP_PLACES"), env.get("GOMP_CPU_AFFINITY"))))
+    if proclist := re.search(r"proclist=\[([^\]]*)\]", env.get("KMP_AFFINITY", "")):
+        text += " " + proclist.group(1)
+    cpus: set[int] = set()
+    for first, last in re.findall(r"(\d+)(?:-(\d+))?", text):
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def current_transfer_cpus() -> set[int] | None:
+    """`transfer_cpus` for this process now, None where nothing is bound (no change to make)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed, main = _allowed_cpus(), os.sched_getaffinity(0)
+    if main >= allowed:
+        return None  # the calling thread is not bound: its threads may run anywhere already
+    bound = (cpus for cpus in _thread_cpus() if len(cpus) == 1)  # OpenMP threads: one core each
+    forward = main.union(omp_env_cpus(dict(os.environ)), *bound)
+    return transfer_cpus(allowed, main, forward)
+
+
+@contextmanager
+def threads_started_off_forward() -> Iterator[set[int] | None]:
+    """Inside, the calling thread runs on `current_transfer_cpus()`, so every thread started here (and
+    every thread those start) runs there; the caller's own affinity comes back at the exit."""
+    cpus = current_transfer_cpus()
+    if cpus is None:
+        yield None
+        return
+    main = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    log.info("kvtier: connector threads on CPUs %s (the forward's main thread is on %s)", sorted(cpus),
+             sorted(main))
+    try:
+        yield cpus
+    finally:
+        os.sched_setaffinity(0, main)
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded into this process (not another copy on the library path)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libgomp" in line or "libiomp" in line:
+                    return ctypes.CDLL(line.split()[-1])
+    except OSError:
+        pass
+    return None
+
+
+def run_torch_here(cpus: set[int] | None) -> None:
+    """For a thread that runs torch copies beside vLLM's forward: its parallel regions use one thread
+    (this thread's OpenMP setting only), so none rebinds it to the master's core; then it runs on `cpus`."""
+    if cpus is None:
+        return
+    omp = _libgomp()
+    if omp is not None:
+        omp.omp_set_num_threads(1)
+    os.sched_setaffinity(0, cpus)
