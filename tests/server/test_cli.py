@@ -38,7 +38,7 @@ def test_file_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("modle = 'tiny'", "unknown serve setting(s) modle; known: block_tokens, codec, device_kv_budget, host, "
+    ("modle = 'tiny'", "unknown serve setting(s) modle; known: block_tokens, codec, device_kv_budget, generation_config, host, "
                        "kv_codec, kv_offload, max_model_tokens, max_num_seqs, max_prefill_tokens, model, offload_fetch_blocks, "
                        "offload_page_tokens, offload_recent_blocks, offload_sink_blocks, port, prefix_caching, "
                        "record_trace, served_model_name, tier_writes, tiers"),
@@ -53,6 +53,7 @@ def test_file_then_flags(tmp_path):
     ("prefix_caching = 'yes'", "prefix_caching must be true or false, got 'yes'"),
     ("kv_codec = 'int3'", "kv_codec must be one of raw, fp8, int8, int4, int2, got 'int3'"),
     ("tier_writes = 'never'", "tier_writes must be 'full' or 'evict', got 'never'"),
+    ("generation_config = 'model'", "generation_config must be auto or vllm, got 'model'"),
     ("codec = 'int3'", "unknown codec 'int3': use one of raw, fp8, int8, int4, int2, optionally with '+zstd'"),
     ("tiers = ['ssd:1GiB']", "ssd tier spec needs a directory and a size: ssd:/path:10GiB, got 'ssd:1GiB'"),
     ("tiers = 3", "tiers must be a list of tier specs (dram:SIZE, ssd:DIR:SIZE, shm:DIR:SIZE, mooncake://HOST:PORT, "

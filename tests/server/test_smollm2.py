@@ -40,3 +40,35 @@ def test_chat_equals_generate_and_second_turn_hits_the_cache(smollm2):
     assert first.choices[0].message.content == expected == streamed
     assert first.usage.prompt_tokens == len(ids)
     assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16 > 0
+
+
+README_REQUEST = {"model": "smollm2", "messages": [{"role": "user", "content": "What is a KV cache?"}], "max_tokens": 48}
+
+
+def test_readme_request_defaults_sampling_from_the_generation_config(smollm2):
+    """`kvtier serve`'s app (build_app, generation_config auto): the README's request, which sends no temperature,
+    decodes as SmolLM2's generation_config says (no do_sample: greedy), the same text as `generate()`; a field
+    the client sends is its own."""
+    import httpx
+
+    from kvtier.server.cli import build_app
+    from kvtier.server.config import ServeConfig
+
+    ids = smollm2.tokenizer.apply_chat_template(README_REQUEST["messages"], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)
+    out = smollm2.model.generate(torch.tensor([ids]), max_new_tokens=48)  # the model's own generation_config
+    expected = smollm2.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+    config = ServeConfig.load(None, model="smollm2", tiers=["dram:64MiB"], device_kv_budget="64MiB")
+    with running(build_app(config)) as url:
+        models = httpx.get(url + "/v1/models").json()["data"]
+        answer = httpx.post(url + "/v1/chat/completions", json=README_REQUEST, timeout=120).json()
+        sampled = [httpx.post(url + "/v1/chat/completions", timeout=120,
+                              json={**README_REQUEST, "temperature": 1.0, "seed": seed}).json()
+                   for seed in (1, 2)]
+    assert models[0]["kvtier_sampling_defaults"] == {
+        "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+        "source": "the model's generation_config (no do_sample: greedy, as generate())"}
+    assert answer["choices"][0]["message"]["content"] == expected
+    assert "KV cache" in expected or "cache" in expected.lower()
+    texts = [s["choices"][0]["message"]["content"] for s in sampled]
+    assert texts[0] != texts[1]  # temperature 1.0 sent: sampled (two seeds), not the greedy default

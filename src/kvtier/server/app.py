@@ -55,7 +55,6 @@ class ClientGone(Exception):
     """The client went away before the request was answered (its engine request, if any, is aborted)."""
 
 
-
 @dataclass(slots=True)
 class ServerState:
     engine: AsyncEngine
@@ -66,6 +65,7 @@ class ServerState:
     created: int
     trace: object | None = None         # a sim.trace.TraceRecorder: finished requests, Mooncake format
     started_perf: float = 0.0          # time.perf_counter() at start: trace timestamps count from it
+    sampling_defaults: protocol.SamplingDefaults = protocol.SamplingDefaults()  # for omitted sampling fields
 
 
 def engine_view(async_engine: AsyncEngine) -> EngineView:
@@ -74,9 +74,11 @@ def engine_view(async_engine: AsyncEngine) -> EngineView:
 
 
 def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str], *, manager=None,
-               on_shutdown=None, record_trace=None) -> FastAPI:
+               on_shutdown=None, record_trace=None,
+               sampling_defaults: protocol.SamplingDefaults = protocol.SamplingDefaults()) -> FastAPI:
     """`model_name`: the name clients send, or several aliases. `on_shutdown()` runs after the engine
-    thread stopped (flush blocks, close the tiers).
+    thread stopped (flush blocks, close the tiers). `sampling_defaults`: what a request's omitted sampling
+    fields are (`kvtier serve`: the model's generation_config; OpenAI's by default).
     `record_trace`: a JSONL path; every finished request is appended in the Mooncake trace format
     (`kvtier simulate` replays it)."""
     @contextlib.asynccontextmanager
@@ -96,7 +98,7 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str]
         raise ValueError("at least one served model name")
     state = ServerState(async_engine, tokenizer, model_names,
                         ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()),
-                        started_perf=time.perf_counter())
+                        started_perf=time.perf_counter(), sampling_defaults=sampling_defaults)
     if record_trace is not None:
         from kvtier.sim.trace import TraceRecorder
 
@@ -146,7 +148,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return protocol.model_list(state.model_names, state.created)
+        return protocol.model_list(state.model_names, state.created, state.sampling_defaults)
 
     @app.get("/metrics")
     async def metrics():
@@ -232,7 +234,7 @@ def _sampling(state: ServerState, req, num_prompt_tokens: int, max_tokens: int |
     if req.min_tokens > max_tokens:
         raise BadRequest(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})", param="min_tokens")
     try:
-        return SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs(), **per_choice)
+        return SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs(state.sampling_defaults), **per_choice)
     except ValueError as exc:  # the protocol's bounds are the engine's: a mismatch is still the client's
         raise BadRequest(str(exc)) from None
 

@@ -31,9 +31,12 @@ def build_app(config: ServeConfig):
     """Model, tiers, engine and app from a `ServeConfig` (also used by tests and benchmarks)."""
     from kvtier.engine import AsyncEngine
     from kvtier.server.app import create_app
+    from kvtier.server.protocol import SamplingDefaults
     from kvtier.server.tokenizer import ByteTokenizer
 
     loaded, engine, manager = build_engine(config)
+    defaults = (SamplingDefaults.from_generation_config(getattr(loaded.model, "generation_config", None))
+                if config.generation_config == "auto" else SamplingDefaults())
 
     def on_shutdown() -> None:
         if manager is not None:
@@ -42,7 +45,8 @@ def build_app(config: ServeConfig):
 
     tokenizer = loaded.tokenizer or ByteTokenizer()
     return create_app(AsyncEngine(engine), tokenizer, config.model_names(loaded.name),
-                      manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace)
+                      manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace,
+                      sampling_defaults=defaults)
 
 
 def register(app: typer.Typer) -> None:

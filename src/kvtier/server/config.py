@@ -15,6 +15,9 @@ from kvtier.errors import ConfigError, UserError
 from kvtier.tiers.spec import TierSpec, parse_specs
 
 
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # vLLM's --generation-config values: the model's, or its own (OpenAI's)
+
+
 def default_tiers() -> list[TierSpec]:
     from kvtier.models import cache_dir
 
@@ -45,11 +48,17 @@ class ServeConfig:
                                          "--tier ssd:/path:4GiB (shm:, mooncake://, redis:// too)")
     record_trace: str | None = setting(None, help="append each finished request to this JSONL in the Mooncake "
                                                   "trace format, for `kvtier simulate`")
+    generation_config: str = setting("auto", help="what a request's omitted sampling fields default to: auto (the "
+                                                  "model's generation_config, as transformers' generate() reads it: "
+                                                  "greedy unless it sets do_sample) or vllm (OpenAI's: temperature 1, "
+                                                  "top_p 1)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be 1-65535, got {self.port}")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ConfigError(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         self.tiers = parse_specs(self.tiers)
         self.served_model_name = _names(self.served_model_name)
         if self.served_model_name is not None and not self.served_model_name:

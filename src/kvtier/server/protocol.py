@@ -16,11 +16,13 @@ seed within what `torch.Generator.manual_seed` accepts; every string must be enc
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.engine.sequence import MAX_LOGPROBS, MAX_SEED, MIN_SEED, TokenLogprob
+from kvtier.errors import ConfigError
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
 _REQUEST = ConfigDict(strict=True, extra="allow")  # extra fields are checked by `check_fields`
@@ -86,6 +88,52 @@ REFUSED: dict[str, tuple[tuple, str]] = {
 CHAT_REFUSED = {**REFUSED, "echo": ((None, False), "echo is for /v1/completions only")}  # a chat field of vLLM's
 
 
+# transformers' `generate()` defaults for what a generation_config leaves unset (GenerationConfig's
+# `_get_default_generation_params`): greedy unless do_sample; when sampling, top_k 50
+_GENERATE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": 0.0,
+                      "repetition_penalty": 1.0}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request's omitted sampling fields default to (a field the client sends is always its own).
+    OpenAI's defaults (temperature 1, top_p 1, no top_k, min_p or repetition penalty), or the model's
+    `generation_config` as transformers' `generate()` reads it (`from_generation_config`); `source` says which."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0            # 0: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    source: str = "OpenAI's defaults"
+
+    def __post_init__(self) -> None:
+        bounds = {"temperature": 0 <= self.temperature <= 2, "top_p": 0 < self.top_p <= 1, "top_k": self.top_k >= 0,
+                  "min_p": 0 <= self.min_p <= 1, "repetition_penalty": 0 < self.repetition_penalty <= 2}
+        for name, ok in bounds.items():
+            if not ok:
+                raise ConfigError(f"generation_config: {self.source} sets {name} {getattr(self, name)}, outside what a "
+                                  f"request may send: generation_config vllm (OpenAI's defaults) works")
+
+    @classmethod
+    def from_generation_config(cls, generation_config) -> SamplingDefaults:
+        """vLLM's `--generation-config auto`, read as `model.generate()` reads it: a config that does not set
+        `do_sample` (SmolLM2-Instruct's sets only token ids) decodes greedily; one that samples brings its
+        temperature, top_p, top_k, min_p and repetition_penalty (transformers' defaults for those it leaves out)."""
+        def value(name: str):
+            got = getattr(generation_config, name, None) if generation_config is not None else None
+            return _GENERATE_DEFAULTS[name] if got is None else got
+
+        if not value("do_sample"):
+            return cls(temperature=0.0, source="the model's generation_config (no do_sample: greedy, as generate())")
+        return cls(temperature=float(value("temperature")), top_p=float(value("top_p")), top_k=int(value("top_k")),
+                   min_p=float(value("min_p")), repetition_penalty=float(value("repetition_penalty")),
+                   source="the model's generation_config (do_sample: its sampling fields, as generate())")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class FieldError(ValueError):
     """A request field (`param`) that is refused, or inconsistent with another."""
 
@@ -134,8 +182,9 @@ class _SamplingFields(BaseModel):
     model_config = _REQUEST
     model: Text
     max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None  # None: 1
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None        # None: 1
+    # omitted (None): the server's SamplingDefaults (the model's generation_config, or OpenAI's 1 and 1)
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
     seed: Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED)] | None = None
     stop: Text | list[Text] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
@@ -206,12 +255,15 @@ class _SamplingFields(BaseModel):
         except ValueError:
             raise FieldError("logit_bias", "logit_bias keys must be token ids (integers as strings)") from None
 
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """`SamplingParams` fields from this request (not max_tokens, logprobs, seed: per choice)."""
-        return dict(temperature=1.0 if self.temperature is None else self.temperature,
-                    top_p=1.0 if self.top_p is None else self.top_p,
-                    top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0,
-                    repetition_penalty=self.repetition_penalty or 1.0,
+    def sampling_kwargs(self, defaults: SamplingDefaults = SamplingDefaults()) -> dict[str, Any]:
+        """`SamplingParams` fields from this request (not max_tokens, logprobs, seed: per choice); the fields it
+        omits from `defaults`."""
+        def pick(name: str):
+            sent = getattr(self, name)
+            return getattr(defaults, name) if sent is None else sent
+
+        return dict(temperature=pick("temperature"), top_p=pick("top_p"), top_k=max(pick("top_k"), 0),
+                    min_p=pick("min_p"), repetition_penalty=pick("repetition_penalty"),
                     presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                     logit_bias=self.logit_bias_ids(), stop_token_ids=list(self.stop_token_ids or []),
                     ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
@@ -391,6 +443,8 @@ def usage_chunk(request_id: str, model: str, object_: str, usage_: dict) -> dict
             "choices": [], "usage": usage_}
 
 
-def model_list(models: list[str], created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvtier"}
+def model_list(models: list[str], created: int, sampling_defaults: SamplingDefaults) -> dict:
+    """OpenAI's model list; each model also says what a request's omitted sampling fields default to."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "kvtier",
+                                        "kvtier_sampling_defaults": sampling_defaults.to_dict()}
                                        for model in models]}
