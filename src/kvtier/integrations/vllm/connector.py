@@ -25,6 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.config import ConnectorConfig, check_supported, key_space
 from kvtier.integrations.vllm.cpus import threads_started_off_forward
+from kvtier.integrations.vllm.kv_events import SchedulerEvents, WorkerEvents
 from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec, for_rank
@@ -91,6 +92,15 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
                 self._worker = WorkerSide(self._space.layout, codec, self._manager,
                                           max_pending_saves=config.max_pending_saves, transfer_cpus=cpus)
+        # --kv-events-config: the tiers' blocks announced with vLLM's own (`kv_events.py`), from both sides
+        self._scheduler_events: SchedulerEvents | None = None
+        self._worker_events: WorkerEvents | None = None
+        if self._announces_tiers(vllm_config):
+            if self._scheduler is not None:
+                self._scheduler_events = SchedulerEvents(self._manager, self._space.layout.block_tokens)
+                self._scheduler.on_blocks = self._scheduler_events.describe
+            else:
+                self._worker_events = WorkerEvents(self._manager)
         log.info("kvtier connector (%s, rank %d of %d): tiers %s, codec %s, %s loads, layout %s", role.name.lower(),
                  self._rank, self._world_size, [tier.name for tier in self._manager.tiers], codec.name, config.load,
                  self._space.layout.encode().decode())
@@ -98,6 +108,15 @@ class KvtierConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
+
+    def _announces_tiers(self, vllm_config) -> bool:
+        events_config = vllm_config.kv_events_config
+        if events_config is None or not events_config.enable_kv_cache_events:
+            return False
+        if self._world_size > 1:  # each rank holds a shard under its own key: not announced yet
+            log.warning("kvtier: KV events of the tiers need one worker (TP 1); the tiers are not announced")
+            return False
+        return True
 
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -122,11 +141,21 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierMetadata(records.loads, [] if self._consumer else records.saves)
 
     def update_connector_output(self, connector_output) -> None:
+        if self._scheduler_events is not None:
+            self._scheduler_events.from_worker(connector_output.kv_cache_events)
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KvtierWorkerMetadata):
             self._scheduler.loaded_from(worker_meta.loaded_tiers)
         if connector_output.invalid_block_ids:
             self._scheduler.load_errors(set(connector_output.invalid_block_ids))
+
+    def take_events(self):
+        """The tiers' `BlockStored` / `BlockRemoved` since the last step, under vLLM's block hashes."""
+        return self._scheduler_events.take() if self._scheduler_events is not None else ()
+
+    def has_pending_push_work(self) -> bool:
+        """Blocks sent down are still landing in the tiers: step on (empty steps) until they are announced."""
+        return self._scheduler_events is not None and self._scheduler_events.lingering()
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves were copied out during the steps: the blocks are free now. The reply's
@@ -183,6 +212,10 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_invalid_block_ids()
+
+    def get_kv_connector_kv_cache_events(self):
+        """What the worker's tiers announced since the last step (kvtier keys: the scheduler names the blocks)."""
+        return self._worker_events.take() if self._worker_events is not None else None
 
     def build_connector_worker_meta(self) -> KvtierWorkerMetadata | None:
         tiers = self._worker.take_loaded_tiers()

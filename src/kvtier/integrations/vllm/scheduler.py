@@ -9,6 +9,7 @@ longest held run. The load itself runs on the worker; the scheduler never waits 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvtier.blocks import KeySpace
 from kvtier.integrations.vllm.trackers import (LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords,
@@ -31,6 +32,9 @@ class SchedulerSide:
         self._plans: dict[str, LoadPlan] = {}
         self._requests: dict[str, object] = {}   # req_id -> vLLM Request (read only)
         self._records = StepRecords()
+        # KV events (`events.py`): called with (request, first block index, keys, tiers) for the blocks a
+        # step sends down (tiers None) and those a load takes from the tiers (where the lookup found them)
+        self.on_blocks: Callable[[object, int, list[bytes], list[str] | None], None] | None = None
 
     def _tracker(self, request) -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
@@ -81,6 +85,8 @@ class SchedulerSide:
         plan.keys, plan.tiers = plan.keys[:num_blocks], plan.tiers[:num_blocks]
         ids = block_ids[plan.first_block:plan.first_block + num_blocks]
         self._records.loads.append(LoadSpec(request.request_id, plan.keys, ids, list(plan.tiers)))
+        if self.on_blocks is not None:
+            self.on_blocks(request, plan.first_block, plan.keys, plan.tiers)
         tracker.load, tracker.load_block_ids = plan, ids
         tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
 
@@ -102,6 +108,8 @@ class SchedulerSide:
             keys = tracker.keys_for(tokens, num_full)[tracker.num_saved_blocks:]
             ids = block_ids_of(req_id)[tracker.num_saved_blocks:num_full]
             self._records.saves.append(SaveSpec(req_id, keys, ids))
+            if self.on_blocks is not None:
+                self.on_blocks(request, tracker.num_saved_blocks, keys, None)
             tracker.num_saved_blocks = num_full
         records, self._records = self._records, StepRecords()
         return records
