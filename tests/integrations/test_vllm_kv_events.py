@@ -30,9 +30,10 @@ from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm  # noqa: E402
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.timeout(900),
-    pytest.mark.skipif(not VLLM_PYTHON.exists(), reason=".venv-vllm is missing: `make vllm` creates it (`make test` does)"),
+    pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                       reason=".venv-vllm is missing: `make vllm` creates it (`make test` does)"),
     pytest.mark.skipif(not DYNAMO_PYTHON.exists(),
-                       reason=".venv-dynamo (Dynamo's KV indexer) is missing: `make dynamo` creates it (`make test` does)"),
+                       reason="no .venv-dynamo (Dynamo's KV indexer): `make dynamo` creates it, as `make test` does"),
 ]
 
 BLOCK_FILE_BYTES = 30 * 2 * 3 * 64 * BLOCK_TOKENS * 4 + 64  # SmolLM2 fp32, one block of all layers + its header
@@ -208,7 +209,8 @@ def test_two_tenants_blocks_are_apart_in_the_events_and_the_index(replica, promp
     b = server.complete(prompts[6], max_tokens=8, cache_salt="tenant-b")
     ids = a["prompt_token_ids"]
     assert b["prompt_token_ids"] == ids
-    chain_a, chain_b = _wait(lambda: [_chain(replica["tap"].events(), ids, "STORAGE", salt) for salt in ("tenant-a", "tenant-b")],
+    salts = ("tenant-a", "tenant-b")
+    chain_a, chain_b = _wait(lambda: [_chain(replica["tap"].events(), ids, "STORAGE", salt) for salt in salts],
                              lambda chains: all(len(c) == len(ids) // BLOCK_TOKENS for c in chains),
                              "both tenants on the SSD")
     assert not set(chain_a) & set(chain_b)  # salted hashes: no block of one is a block of the other

@@ -11,8 +11,8 @@ belongs to. `KvEventTracker` joins them: the scheduler `describe`s each block it
 a tier at admission) while its request is alive, and every tier event for a described key becomes a
 record under that block's vLLM hash. A block stays described while some tier holds it, so its eviction
 hours later still names it, and for a while after it left every tier (another tier's write of it may be
-on its way: a block evicted from `shm` before the SSD's write-through landed). Announcements are per medium: a block in `dram` and `shm` (both "CPU") is
-stored once, removed when the last of them lets it go.
+on its way: a block evicted from `shm` before the SSD's write-through landed). Announcements are per
+medium: a block in `dram` and `shm` (both "CPU") is stored once, removed when the last of them lets it go.
 """
 
 from __future__ import annotations
