@@ -64,7 +64,7 @@ def replica(tmp_path_factory, smollm2):
                          extra_args=("--kv-events-config", json.dumps(events_config))) as server):
             indexer.register(WORKER_ID, endpoint, model_name=MODEL, block_size=BLOCK_TOKENS, replay_endpoint=replay)
             time.sleep(1.0)  # the subscriptions settle before the first event
-            yield {"server": server, "indexer": indexer, "tap": tap, "ssd": root / "ssd"}
+            yield {"server": server, "indexer": indexer, "tap": tap, "ssd": root / "ssd", "shm": shm_dir}
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
@@ -170,6 +170,25 @@ def test_blocks_kvtier_evicted_are_gone_from_the_index(replica, prompts):
     _wait(lambda: _query(replica, ids), lambda q: not q.get("disk"), "the SSD evicting the first prompt's first block")
     assert device[0] in _removed(replica["tap"].events(), "STORAGE")
     assert device[0] not in set().union(*_tiers_holding(replica, device).values(), set())
+    # the index's count of each tier's blocks is kvtier's: one block file each on the SSD and in shm
+    counts = _wait(lambda: _tier_counts(replica), lambda c: c == _file_counts(replica), "the index's counts")
+    assert counts["disk"] > SSD_BLOCKS - 13 and counts["host_pinned"] > 0
+
+
+def _tier_counts(replica) -> dict[str, int]:
+    """Dynamo's index: how many blocks of the replica each storage tier holds."""
+    blocks: dict[str, set[int]] = {}
+    for entry in replica["indexer"].dump().get(f"{MODEL}:default", {}).get("events", []):
+        if entry["worker_id"] == WORKER_ID:
+            tier = blocks.setdefault(entry["storage_tier"], set())
+            tier.update(block["block_hash"] for block in entry["event"]["data"].get("stored", {}).get("blocks", []))
+    return {tier: len(hashes) for tier, hashes in blocks.items() if tier != "device"}
+
+
+def _file_counts(replica) -> dict[str, int]:
+    """kvtier's own: block files on the SSD and in shared memory."""
+    return {"disk": sum(1 for _ in replica["ssd"].rglob("*.kvb")),
+            "host_pinned": sum(1 for _ in replica["shm"].rglob("*.kvb"))}
 
 
 def _block_file(ssd: Path, token_ids: list[int], index: int) -> Path:
