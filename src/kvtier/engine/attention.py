@@ -2,14 +2,23 @@
 
 The engine runs one flat batch per step: the new tokens of every scheduled sequence concatenated
 into `[1, N]`. The runner builds one `AttentionMetadata` per step (slot mapping, query ranges,
-sequence lengths, block tables, as vLLM's attention metadata); each attention layer calls
-`paged_attention`, which hands it to the step's `AttentionBackend`. `SDPABackend` — the CPU path,
-correct on any device — writes the new K/V into their slots of the arena (`kvtier.engine.arena`:
-raw or quantized) and runs SDPA per sequence over that sequence's gathered context at full
-precision (a causal mask offset by the tokens already computed). A paged CUDA kernel would be
-another backend reading the same metadata, with no gather and no change to the scheduler.
-The model module tree used here is a copy that shares the weights (`paged_model`), so the caller's
-model keeps its own attention implementation.
+sequence lengths, block tables — as lists and as the tensors a kernel reads, vLLM's attention
+metadata); each attention layer calls `paged_attention`, which hands it to the step's
+`AttentionBackend`. Both backends first write the new K/V into their slots of the arena
+(`kvtier.engine.arena`: raw or quantized).
+
+- `PagedBackend` (a raw arena on the CPU, when `paged_kernel` could be built): one call per layer of
+  `paged_kernel.paged_attention` over the step's decodes and short prefill chunks together, reading
+  keys and values where they sit in the arena (block tables, no gather). A prefill chunk of at least
+  `GATHER_MIN_QUERIES` queries goes through SDPA over its gathered context instead (torch's CPU flash
+  kernel is faster there, and the gather costs one pass over the context for that many queries:
+  docs/benchmarks/engine-attention.md), and so does an offloaded sequence (`OffloadAttention`).
+- `SDPABackend` — correct on any device and for every arena — gathers each sequence's context at full
+  precision and runs SDPA per sequence (a causal mask offset by the tokens already computed).
+
+A paged CUDA kernel would be another backend reading the same metadata, with no change to the
+scheduler. The model module tree used here is a copy that shares the weights (`paged_model`), so the
+caller's model keeps its own attention implementation.
 """
 
 from __future__ import annotations
@@ -23,9 +32,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from kvtier.engine import paged_kernel
 from kvtier.engine.offload import OffloadAttention, SeqOffload
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
+
+# a prefill chunk of this many queries or more attends through SDPA over its gathered context: the CPU flash
+# kernel beats the paged kernel there, and the gather is one pass over the context for all those queries
+# (docs/benchmarks/engine-attention.md)
+GATHER_MIN_QUERIES = 64
 
 
 @dataclass(slots=True)
@@ -38,6 +53,10 @@ class AttentionMetadata:
     seq_lens: list[int]            # [S] tokens each sequence attends to after this step (its context)
     block_tables: list[torch.Tensor]  # [S] its block ids, as many as its context needs (-1: in host memory)
     offloads: list[SeqOffload | None] = field(default_factory=list)  # [S] offloaded sequences' host blocks
+    # the same as tensors, for a kernel (int64): [S, max blocks] padded with 0 (never read), [S], [S + 1]
+    block_table: torch.Tensor | None = None
+    seq_lens_tensor: torch.Tensor | None = None
+    query_start_loc_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -69,10 +88,15 @@ class SDPABackend:
         self._seqs: list[SeqSlice] = []
 
     def begin_step(self, meta: AttentionMetadata) -> None:
+        self._begin(meta, range(meta.num_seqs))
+
+    def _begin(self, meta: AttentionMetadata, seq_ids) -> None:
+        """Plan the gathers of the sequences `seq_ids` (the others attend elsewhere)."""
         loc = meta.query_start_loc
         offloads = meta.offloads or [None] * meta.num_seqs
         self._seqs = []
-        for i, (table, n, off) in enumerate(zip(meta.block_tables, meta.seq_lens, offloads)):
+        for i in seq_ids:
+            table, n, off = meta.block_tables[i], meta.seq_lens[i], offloads[i]
             if off is None:
                 self._seqs.append(SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n))
             else:  # the device window only; the host blocks come through the fetch area
@@ -85,10 +109,18 @@ class SDPABackend:
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
         # query: [1, Hq, N, D]; key/value: [1, H, N, D]
+        self._write(layer, key, value, meta)
+        out = torch.empty_like(query)
+        self._attend_gathered(layer, query, out, key.shape[1], scaling)
+        return out
+
+    def _write(self, layer: int, key: torch.Tensor, value: torch.Tensor, meta: AttentionMetadata) -> None:
         self.arena.write(layer, meta.slot_block_ids, meta.slot_offsets, key[0].transpose(0, 1),  # [N, H, D]
                          value[0].transpose(0, 1))
-        num_heads = key.shape[1]
-        out = torch.empty_like(query)
+
+    def _attend_gathered(self, layer: int, query: torch.Tensor, out: torch.Tensor, num_heads: int,
+                         scaling: float | None) -> None:
+        """out[0, :, rows of s] for each planned sequence s; out: [1, Hq, N, D] (any strides)."""
         for s in self._seqs:
             if s.offload is not None:
                 (_, _, k, v), = self.arena.gather(layer, s)
@@ -105,13 +137,78 @@ class SDPABackend:
                     mask = torch.arange(context, device=q.device)[None, :] <= q_pos[:, None]
                 out[:, :, s.q_start + lo:s.q_start + hi] = F.scaled_dot_product_attention(
                     q, k[None], v[None], attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != num_heads)
-        return out
 
     def end_step(self) -> None:
         self._seqs = []
         self.arena.end_step()
         if self.offload is not None:
             self.offload.fetch.end()
+
+
+@dataclass(slots=True)
+class PagedSeqs:
+    """The sequences of a step that the paged kernel serves: its metadata tensors, rows of the step's."""
+
+    block_table: torch.Tensor  # [S', max blocks]
+    seq_lens: torch.Tensor     # [S']
+    query_start: torch.Tensor  # [S'] first row of each in the flat batch
+    query_lens: torch.Tensor   # [S']
+
+
+class PagedBackend(SDPABackend):
+    """A raw arena read in place: the step's decodes and short prefill chunks in one `paged_kernel` call
+    per layer; long prefill chunks (`GATHER_MIN_QUERIES`) and offloaded sequences as `SDPABackend` does."""
+
+    def __init__(self, arena, offload: OffloadAttention | None = None,
+                 gather_min_queries: int = GATHER_MIN_QUERIES) -> None:
+        super().__init__(arena, offload)
+        assert arena.codec == "raw" and arena.device.type == "cpu", "the paged kernel reads a raw CPU arena"
+        self.gather_min_queries = gather_min_queries
+        self._paged: PagedSeqs | None = None
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        loc, n = meta.query_start_loc, meta.num_seqs
+        offloads = meta.offloads or [None] * n
+        gathered = [i for i in range(n) if offloads[i] is not None or loc[i + 1] - loc[i] >= self.gather_min_queries]
+        self._begin(meta, gathered)
+        self._paged = None
+        if len(gathered) < n:
+            starts, ends = meta.query_start_loc_tensor[:-1], meta.query_start_loc_tensor[1:]
+            paged = PagedSeqs(meta.block_table, meta.seq_lens_tensor, starts, ends - starts)
+            if gathered:  # the kernel's rows only
+                keep = torch.tensor(sorted(set(range(n)) - set(gathered)), dtype=torch.long)
+                paged = PagedSeqs(*(t.index_select(0, keep).contiguous() for t in
+                                    (paged.block_table, paged.seq_lens, paged.query_start, paged.query_lens)))
+            self._paged = paged
+
+    def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
+        # query: [1, Hq, N, D]; key/value: [1, H, N, D]
+        self._write(layer, key, value, meta)
+        # out as [1, N, Hq, D] in memory, returned as the [1, Hq, N, D] view paged_attention expects:
+        # its transpose back is then free
+        out = torch.empty((1, query.shape[2], query.shape[1], query.shape[3]), dtype=torch.float32,
+                          device=query.device).transpose(1, 2)
+        q = query if query.dtype == torch.float32 else query.float()
+        if self._paged is not None:
+            p = self._paged
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            paged_kernel.paged_attention(out[0].transpose(0, 1), q[0].transpose(0, 1), self.arena.k_cache[layer],
+                                         self.arena.v_cache[layer], p.block_table, p.seq_lens, p.query_start,
+                                         p.query_lens, scale)
+        self._attend_gathered(layer, query, out, key.shape[1], scaling)
+        return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+    def end_step(self) -> None:
+        self._paged = None
+        super().end_step()
+
+
+def make_backend(arena, offload: OffloadAttention | None = None) -> AttentionBackend:
+    """The paged kernel where it reads this arena (raw, on the CPU) and could be built; else the gather path."""
+    if arena.codec == "raw" and arena.device.type == "cpu" and paged_kernel.available():
+        return PagedBackend(arena, offload)
+    return SDPABackend(arena, offload)
 
 
 @dataclass(slots=True)

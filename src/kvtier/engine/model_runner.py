@@ -14,7 +14,7 @@ import torch
 
 from kvtier.blocks import KVLayout
 from kvtier.engine.arena import Arena
-from kvtier.engine.attention import AttentionMetadata, PagedStep, SDPABackend, paged_model
+from kvtier.engine.attention import AttentionMetadata, PagedStep, make_backend, paged_model
 from kvtier.engine.offload import OffloadAttention, SeqOffload, window_positions
 from kvtier.engine.sampler import Penalties, logprobs_of, process_logits, sample
 from kvtier.engine.scheduler import ScheduledChunk
@@ -40,8 +40,8 @@ class ModelRunner:
         self.lm_head = self.model.get_output_embeddings()
         self.layout = layout
         self.arena = arena  # the whole device KV budget, allocated once
-        # the CPU path; a paged CUDA kernel would read the same metadata
-        self.backend = SDPABackend(arena, offload)
+        # the CPU paged kernel (raw arenas) or the gather path; a paged CUDA kernel would read the same metadata
+        self.backend = make_backend(arena, offload)
         self.device = arena.device
         self.eos_token_ids = list(eos_token_ids)  # masked until a request's min_tokens
         self._generators: dict[str, torch.Generator] = {}
@@ -81,7 +81,7 @@ class ModelRunner:
             slot_offsets += [p % block_tokens for p in range(start, end)]
             query_start_loc.append(len(token_ids))
             seq_lens.append(end)
-            block_tables.append(torch.tensor(seq.block_ids[:-(-end // block_tokens)], **as_long))
+            block_tables.append(seq.block_ids[:-(-end // block_tokens)])
             offloads.append(None if seq.host is None else self._offload(seq, start, end, as_long))
             if end == seq.num_tokens:
                 last_rows.append((seq, len(token_ids) - 1))
@@ -90,9 +90,13 @@ class ModelRunner:
             if seq.needs_prompt_logits and num_scoring > 0:
                 first_row = query_start_loc[-2]
                 prompt_rows.append((seq, start, list(range(first_row, first_row + num_scoring))))
+        max_blocks = max(len(table) for table in block_tables)
+        padded = [table + [0] * (max_blocks - len(table)) for table in block_tables]  # 0: a block never read
         meta = AttentionMetadata(torch.tensor(slot_blocks, **as_long), torch.tensor(slot_offsets, **as_long),
-                                 query_start_loc, seq_lens, block_tables,
-                                 offloads if any(o is not None for o in offloads) else [])
+                                 query_start_loc, seq_lens, [torch.tensor(table, **as_long) for table in block_tables],
+                                 offloads if any(o is not None for o in offloads) else [],
+                                 torch.tensor(padded, **as_long), torch.tensor(seq_lens, **as_long),
+                                 torch.tensor(query_start_loc, **as_long))
         return (meta, torch.tensor([token_ids], **as_long), torch.tensor([positions], **as_long), last_rows,
                 prompt_rows)
 

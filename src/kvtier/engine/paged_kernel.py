@@ -1,0 +1,406 @@
+"""A CPU paged-attention kernel: one call per layer for a step's whole flat batch, reading the arena in place.
+
+vLLM's paged kernels take the step's queries packed by sequence (`query_start_loc`), the sequence
+lengths and the block tables, and read each key and value where it sits in the paged KV cache: no
+gather of the context. This is that kernel for the CPU, in C++ (compiled once by torch's
+`cpp_extension` into `$TORCH_EXTENSIONS_DIR`, then loaded from there): FlashAttention-2's online
+softmax per (sequence, KV head, tile of queries), the tiles of all sequences spread over torch's
+intra-op threads (largest first, taken from a shared counter), prefill chunks and decodes together.
+A KV head's query group (GQA) are the rows of one tile, so a block's keys are read once for all of
+them. Keys at positions after a query's own are masked (causal by position: a chunk's query i sits at
+`seq_len - num_queries + i`). Accumulates in fp32 whatever the KV dtype (fp32, bf16, fp16).
+
+The KV is read through strides (`[num_blocks, H, T, D]`, D contiguous), so the raw arena's layer
+(`[num_blocks, H, T, D]`) and a quantized arena's dequantized blocks (`[H, n × T, D]`, viewed per block)
+are read alike. `available()` says whether the kernel could be built (a C++ compiler is needed; without
+one the engine keeps the gather path, `attention.SDPABackend`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+// BLAS sgemm (column-major), from the MKL that torch's x86 wheels link; weak: absent, the vector path runs
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace {
+
+static inline void gemm(char transa, char transb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                        int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int m_ = m, n_ = n, k_ = k, lda_ = lda, ldb_ = ldb, ldc_ = ldc;
+  sgemm_(&transa, &transb, &m_, &n_, &k_, &alpha, a, &lda_, b, &ldb_, &beta, c, &ldc_);
+}
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kMaxQueryTile = 128;  // query positions per work item (x the group's heads = rows)
+constexpr int kMinQueryTile = 16;
+constexpr int kChunkTokens = 512;  // keys per online-softmax update (whole blocks; at least one)
+
+// exp(x) for x <= 0 (a softmax's shifted scores), branch-free so the loops vectorize:
+// 2^(x log2 e) = 2^n 2^f, 2^f by a degree-6 polynomial (rel. error ~2e-7), 2^n in the exponent bits
+static inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  float t = x * 1.44269504088896341f;
+  float n = std::floor(t);
+  float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, 4);
+  bits += static_cast<int32_t>(n) << 23;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+struct Item {
+  int64_t seq, head, q0, q1, cost;
+};
+
+constexpr int kLanes = 16;  // one AVX-512 vector of fp32 (two AVX2 ones)
+constexpr int kRows = 8;    // query rows per register block
+
+template <typename kv_t>
+static inline float to_float(kv_t x) { return static_cast<float>(x); }
+
+// scores of `rows` (<= kRows) query rows against `tn` keys read in place (decode: no transpose),
+// by 16-lane partial sums along D (vectorizes without reassociating)
+template <typename kv_t>
+static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb, int64_t k_st, int64_t tn,
+                                 int64_t D, float* sc, int64_t sc_stride) {
+  for (int64_t t = 0; t < tn; ++t) {
+    const kv_t* kr = kb + t * k_st;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qbuf + r * D;
+      float part[kLanes] = {0};
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes)
+        for (int i = 0; i < kLanes; ++i) part[i] += qr[d + i] * to_float(kr[d + i]);
+      float s = 0.f;
+      for (; d < D; ++d) s += qr[d] * to_float(kr[d]);
+      for (int i = 0; i < kLanes; ++i) s += part[i];
+      sc[r * sc_stride + t] = s;
+    }
+  }
+}
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));  // GCC/clang vector extension
+
+static inline vfloat load(const float* p) {
+  vfloat x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+static inline void store(float* p, vfloat x) { std::memcpy(p, &x, sizeof(x)); }
+
+// scores of row blocks of kRows against a transposed block kt [D, Tp] (Tp a multiple of kLanes,
+// zero past the block's keys): kRows vector accumulators in registers (enough independent FMAs to
+// cover their latency), one key load per kRows FMAs
+static inline void scores_tiled(const float* qbuf, int64_t rows_padded, const float* kt, int64_t Tp, int64_t D,
+                                float* sc, int64_t sc_stride) {
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRows) {
+    const float* q0 = qbuf + r0 * D;
+    for (int64_t t0 = 0; t0 < Tp; t0 += kLanes) {
+      vfloat a[kRows] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vfloat kd = load(kt + d * Tp + t0);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) a[r] += q0[r * D + d] * kd;
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) store(sc + (r0 + r) * sc_stride + t0, a[r]);
+    }
+  }
+}
+
+// acc[r] += sum_t p[r, t] v[t] for row blocks of kRows over D in kLanes chunks (D a multiple of kLanes);
+// row r sees count[r] of the block's tn keys
+static inline void values_tiled(const float* sc, int64_t sc_stride, const float* vb, int64_t v_st,
+                                const int64_t* count, int64_t rows_padded, int64_t D, float* acc) {
+  for (int64_t r0 = 0; r0 < rows_padded; r0 += kRows) {
+    int64_t tmax = 0;
+    for (int r = 0; r < kRows; ++r) tmax = std::max(tmax, count[r0 + r]);
+    const float* p0 = sc + r0 * sc_stride;
+    for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+      float* o = acc + r0 * D + d0;
+      vfloat a[kRows];
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) a[r] = load(o + r * D);
+      for (int64_t t = 0; t < tmax; ++t) {
+        const vfloat vt = load(vb + t * v_st + d0);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) a[r] += p0[r * sc_stride + t] * vt;
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) store(o + r * D, a[r]);
+    }
+  }
+}
+
+// One work item: rows = the tile's queries x the KV head's query group, over the sequence's blocks in
+// chunks of up to kChunkTokens keys (scores of each block into the chunk's columns, one online-softmax
+// update per chunk, then each block's values), so the per-row softmax work is paid once per chunk.
+// Paths per block: a BLAS gemm reading the block in place (fp32, many rows), register-blocked vector
+// code on a transposed copy (bf16/fp16, many rows), or dot products in place (a decode's few rows).
+template <typename kv_t>
+void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, float* out, int64_t o_sn, int64_t o_sh,
+                 const kv_t* k, const kv_t* v, const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
+                 const int64_t* q_start, const int64_t* q_lens, int64_t group, int64_t block_tokens, int64_t head_dim,
+                 int64_t k_sb, int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
+                 float scale, std::vector<float>& scratch, std::vector<int64_t>& counts) {
+  const int64_t D = head_dim, T = block_tokens, G = group;
+  const int64_t nq = q_lens[it.seq];
+  const int64_t first_pos = seq_lens[it.seq] - nq;  // position of the sequence's first query this step
+  const int64_t rows = (it.q1 - it.q0) * G;         // row r = (query q0 + r / G, head h G + r % G)
+  const int64_t rows_padded = (rows + kRows - 1) / kRows * kRows;
+  const int64_t kv_end = first_pos + it.q1;         // keys the tile's last query sees
+  const int64_t blocks_per_chunk = std::max<int64_t>(1, kChunkTokens / T);
+  const int64_t C = blocks_per_chunk * T;           // a chunk's columns
+  const bool tiled = rows > kRows && D % kLanes == 0 && T % kLanes == 0;
+  const bool blas = tiled && std::is_same<kv_t, float>::value && sgemm_ != nullptr;
+  const bool convert = tiled && !blas;              // keys transposed (and values converted) per block
+  scratch.resize(rows_padded * D * 2 + rows_padded * 2 + rows_padded * C + (convert ? 2 * T * D : 0));
+  counts.resize(rows_padded * 2);
+  float* qbuf = scratch.data();
+  float* acc = qbuf + rows_padded * D;
+  float* m = acc + rows_padded * D;
+  float* l = m + rows_padded;
+  float* sc = l + rows_padded;                      // [rows, C]: the chunk's scores, then probabilities
+  float* kt = sc + rows_padded * C;                 // [D, T]: a block's keys, transposed (convert)
+  float* vconv = kt + T * D;                        // [T, D]: its values as fp32 (convert)
+  int64_t* seen = counts.data();                    // keys of the chunk each row sees (causal)
+  int64_t* count = seen + rows_padded;              // ... of the current block
+  std::fill(qbuf, qbuf + rows_padded * D, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = q_start[it.seq] + it.q0 + r / G, hq = it.head * G + r % G;
+    const float* src = q + n * q_sn + hq * q_sh;
+    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
+  }
+  for (int64_t r = 0; r < rows_padded; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    seen[r] = 0;
+    count[r] = 0;
+  }
+  std::fill(acc, acc + rows_padded * D, 0.f);
+  const int64_t* table = tables + it.seq * table_stride;
+  const int64_t num_blocks = (kv_end + T - 1) / T;
+  for (int64_t j0 = 0; j0 < num_blocks; j0 += blocks_per_chunk) {
+    const int64_t j1 = std::min(num_blocks, j0 + blocks_per_chunk);
+    const int64_t chunk_tokens = std::min(kv_end - j0 * T, (j1 - j0) * T);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t tn = std::min(T, kv_end - j * T);
+      const kv_t* kb = k + table[j] * k_sb + it.head * k_sh;
+      float* s = sc + (j - j0) * T;
+      if (blas) {  // S^T [tn, rows] = K [tn, D] Q^T, column-major: the block's keys read in place
+        gemm('T', 'N', tn, rows_padded, D, 1.f, reinterpret_cast<const float*>(kb), k_st, qbuf, D, 0.f, s, C);
+      } else if (tiled) {
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t t = tn; t < T; ++t) kt[d * T + t] = 0.f;
+        for (int64_t t = 0; t < tn; ++t)
+          for (int64_t d = 0; d < D; ++d) kt[d * T + t] = to_float(kb[t * k_st + d]);
+        scores_tiled(qbuf, rows_padded, kt, T, D, s, C);
+      } else {
+        scores_direct(qbuf, rows, kb, k_st, tn, D, s, C);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos = first_pos + it.q0 + r / G;
+      const int64_t n_seen = std::max<int64_t>(0, std::min(chunk_tokens, pos - j0 * T + 1));
+      seen[r] = n_seen;
+      float* s = sc + r * C;
+      for (int64_t t = n_seen; t < chunk_tokens; ++t) s[t] = 0.f;  // a row block's value pass runs to its longest row
+      if (n_seen == 0) continue;
+      float mx = m[r];
+#pragma omp simd reduction(max : mx)
+      for (int64_t t = 0; t < n_seen; ++t) mx = std::max(mx, s[t]);
+      const float alpha = exp_neg(m[r] - mx);  // ~0 on the first chunk (m = -inf: clamped)
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n_seen; ++t) {
+        s[t] = exp_neg(s[t] - mx);
+        sum += s[t];
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = mx;
+      float* a = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t off = (j - j0) * T, tn = std::min(T, kv_end - j * T);
+      const kv_t* vb = v + table[j] * v_sb + it.head * v_sh;
+      const float* s = sc + off;
+      int64_t tmax = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        count[r] = std::max<int64_t>(0, std::min(tn, seen[r] - off));
+        tmax = std::max(tmax, count[r]);
+      }
+      if (tmax == 0) continue;
+      if (blas) {  // acc^T [D, rows] += V^T [D, tmax] P^T [tmax, rows], column-major: the values read in place
+        gemm('N', 'N', D, rows_padded, tmax, 1.f, reinterpret_cast<const float*>(vb), v_st, s, C, 1.f, acc, D);
+      } else if (tiled) {
+        for (int64_t t = 0; t < tmax; ++t)
+          for (int64_t d = 0; d < D; ++d) vconv[t * D + d] = to_float(vb[t * v_st + d]);
+        values_tiled(s, C, vconv, D, count, rows_padded, D, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* p = s + r * C;
+          float* a = acc + r * D;
+          for (int64_t t = 0; t < count[r]; ++t) {
+            const kv_t* vt = vb + t * v_st;
+            for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(vt[d]);
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = q_start[it.seq] + it.q0 + r / G, hq = it.head * G + r % G;
+    float* dst = out + n * o_sn + hq * o_sh;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+  }
+}
+
+// out, q: [N, Hq, D] fp32 (D contiguous); k, v: [num_blocks, H, T, D] (D contiguous); block_tables
+// [S, max_blocks], seq_lens [S], query_start [S], query_lens [S]: int64 (sequence s's queries are rows
+// query_start[s] ... + query_lens[s] of q, the last ones of its seq_lens[s] tokens). Rows of no listed
+// sequence are left as they are.
+void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+                     const at::Tensor& query_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1 &&
+              q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out: [N, Hq, D] fp32");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(),
+              "k, v: [B, H, T, D], D contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v: one dtype");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start, &query_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "metadata: contiguous int64");
+  const int64_t S = seq_lens.size(0), H = k.size(1), T = k.size(2), D = k.size(3), Hq = q.size(1);
+  TORCH_CHECK(D <= kMaxHeadDim && Hq % H == 0 && q.size(2) == D && block_tables.size(0) == S &&
+              query_start.size(0) == S && query_lens.size(0) == S, "shapes");
+  const int64_t G = Hq / H;
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const int64_t* nqs = query_lens.data_ptr<int64_t>();
+  // query tiles as large as kMaxQueryTile (fewer passes over the keys) while every thread still gets a
+  // few items (down to kMinQueryTile)
+  const int64_t num_threads = at::get_num_threads();
+  int64_t tile = kMaxQueryTile;
+  auto num_items_of = [&](int64_t tile_) {
+    int64_t n = 0;
+    for (int64_t s = 0; s < S; ++s) n += (nqs[s] + tile_ - 1) / tile_ * H;
+    return n;
+  };
+  while (tile > kMinQueryTile && num_items_of(tile) < 4 * num_threads) tile /= 2;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t nq = nqs[s];
+    TORCH_CHECK(nq <= lens[s] && (lens[s] + T - 1) / T <= block_tables.size(1), "sequence ", s, ": its lengths");
+    for (int64_t q0 = 0; q0 < nq; q0 += tile) {
+      const int64_t q1 = std::min(nq, q0 + tile);
+      const int64_t cost = (q1 - q0) * (lens[s] - nq + q1) + lens[s];
+      for (int64_t h = 0; h < H; ++h) items.push_back({s, h, q0, q1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_items));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "kvtier_paged_attention", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch;
+      std::vector<int64_t> counts;
+      for (int64_t i = next++; i < num_items; i = next++) {
+        attend_item<scalar_t>(items[i], q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(),
+                              out.stride(0), out.stride(1), kp, vp, block_tables.data_ptr<int64_t>(),
+                              block_tables.size(1), lens, starts, nqs, G, T, D, k.stride(0), k.stride(1),
+                              k.stride(2), v.stride(0), v.stride(1), v.stride(2), static_cast<float>(scale),
+                              scratch, counts);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvtier, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start, Tensor query_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvtier, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+}
+"""
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _build() -> bool:
+    from torch.utils.cpp_extension import load_inline
+
+    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    try:
+        load_inline(f"kvtier_paged_{digest}", cpp_sources=_SOURCE, is_python_module=False,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:  # noqa: BLE001 — no compiler, no ninja: the engine keeps the gather path
+        log.warning("kvtier's paged attention kernel could not be built (%s); attention gathers instead", exc)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it the first time: a few tens of seconds, then cached).
+    `KVTIER_PAGED_KERNEL=0` turns it off."""
+    if os.environ.get("KVTIER_PAGED_KERNEL", "1") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _build()
+        return bool(_state["ok"])
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
+                    query_lens: torch.Tensor, scale: float) -> None:
+    """out, q: [N, Hq, D] fp32 (D contiguous, any other strides); k, v: [num_blocks, H, T, D] (D contiguous);
+    block_tables [S, max_blocks], seq_lens, query_start, query_lens [S] int64. Fills the rows of `out` of
+    the S sequences: sequence s's queries are rows query_start[s] .. + query_lens[s], the last ones of
+    its seq_lens[s] tokens; each attends to its sequence's keys up to its own position."""
+    torch.ops.kvtier.paged_attention(out, q, k, v, block_tables, seq_lens, query_start, query_lens, scale)
