@@ -20,6 +20,7 @@ _COMMAND_MODULES = [
     "kvtier.demo",           # kvtier demo (make run)
     "kvtier.generate_cli",   # kvtier generate
     "kvtier.server.cli",     # kvtier serve
+    "kvtier.route.cli",      # kvtier route
     "kvtier.evals.cli",      # kvtier eval
     "kvtier.sim.cli",        # kvtier simulate
     "kvtier.bench.cli",      # kvtier bench ...

@@ -1,0 +1,227 @@
+"""`kvtier route`'s front door: an OpenAI-compatible app that forwards each request to one replica.
+
+A request is read once, tokenized once (`prompts.py`), handed to the selector with the replicas in
+service, and forwarded as it came. The replica's status, body and content type come back unchanged;
+a stream (SSE) is passed through chunk by chunk as it arrives. A replica that refuses the connection or
+answers 5xx is taken out (`replicas.py` back-off) and the request goes to another replica not yet tried;
+only when every replica has failed it does the client see the last 5xx (or a 503 when none answered).
+A body the router cannot read is still forwarded: the replica's 400 is the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtier.route.metrics import RouteMetrics
+from kvtier.route.prompts import prompt_token_ids
+from kvtier.route.replicas import Replica, ReplicaSet
+from kvtier.route.selectors import Choice, LeastLoaded, Selector, SelectorError
+
+log = logging.getLogger("kvtier.route")
+
+_GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+_HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+                "accept-encoding", "proxy-authorization", "proxy-connection", "trailer"}
+_KEPT_REPLY_HEADERS = ("content-type", "x-request-id")
+REPLICA_HEADER = "x-kvtier-replica"  # which replica answered
+
+
+class Router:
+    """The replicas, the selector and the metrics one app serves with."""
+
+    def __init__(self, replicas: ReplicaSet, selector: Selector, *, tokenizer=None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0) -> None:
+        self.replicas = replicas
+        self.selector = selector
+        self.fallback = LeastLoaded()
+        self.tokenizer = tokenizer
+        self.metrics = RouteMetrics([r.name for r in replicas.replicas])
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+        self.selector_down = False
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await self.selector.close()
+
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> tuple[Choice, str]:
+        """The selector's choice and its policy; least-loaded's while the selector does not answer."""
+        try:
+            choice = await self.selector.choose(token_ids, candidates)
+        except SelectorError as exc:
+            if not self.selector_down:  # once per outage
+                log.warning("kvtier route: the %s selector is unavailable (%s); least-loaded chooses until it "
+                            "answers again", self.selector.policy, exc)
+                self.selector_down = True
+            self.metrics.fallbacks.inc()
+            return await self.fallback.choose(token_ids, candidates), self.fallback.policy
+        if self.selector_down:
+            log.warning("kvtier route: the %s selector answers again", self.selector.policy)
+            self.selector_down = False
+        return choice, self.selector.policy
+
+    def _take_out(self, replica: Replica, reason: str) -> None:
+        backoff_s = self.replicas.take_out(replica)
+        self.metrics.retries.labels(replica.name, reason).inc()
+        self.metrics.up.labels(replica.name).set(0)
+        log.warning("kvtier route: replica %s taken out for %.1f s (%s); its request goes to another",
+                    replica.name, backoff_s, reason)
+
+    def _started(self, replica: Replica) -> None:
+        replica.num_in_flight += 1
+        replica.num_requests += 1
+        self.metrics.in_flight.labels(replica.name).set(replica.num_in_flight)
+
+    def _ended(self, replica: Replica) -> None:
+        replica.num_in_flight -= 1
+        self.metrics.in_flight.labels(replica.name).set(replica.num_in_flight)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        token_ids = None
+        if path in _GENERATION_PATHS:
+            try:
+                token_ids = prompt_token_ids(self.tokenizer, path, json.loads(body))
+            except ValueError:  # not JSON: the replica says so
+                pass
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers["accept-encoding"] = "identity"  # bytes pass through as they come, never re-encoded
+        tried: set[int] = set()
+        last_failure: Response | None = None
+        while candidates := self.replicas.available(exclude=tried):
+            choice, policy = await self.choose(token_ids, candidates)
+            replica = choice.replica
+            tried.add(replica.replica_id)
+            self._started(replica)
+            upstream_request = self.client.build_request(request.method, replica.url.rstrip("/") + path,
+                                                         params=request.query_params, headers=headers,
+                                                         content=body)
+            try:
+                upstream = await self.client.send(upstream_request, stream=True)
+            except httpx.TransportError as exc:
+                await self._release(replica, choice)
+                self._take_out(replica, f"unreachable: {type(exc).__name__}")
+                continue
+            if upstream.status_code >= 500:
+                content = await upstream.aread()
+                await upstream.aclose()
+                await self._release(replica, choice)
+                self._take_out(replica, f"answered {upstream.status_code}")
+                last_failure = Response(content, upstream.status_code, headers=_reply_headers(upstream, replica))
+                continue
+            if self.replicas.succeeded(replica):
+                self.metrics.up.labels(replica.name).set(1)
+                log.warning("kvtier route: replica %s is back in service", replica.name)
+            return await self._pass_through(upstream, replica, choice, policy)
+        if last_failure is not None:
+            return last_failure
+        return JSONResponse({"error": {"message": "kvtier route: no replica is in service (all taken out)",
+                                       "type": "service_unavailable", "code": 503}}, status_code=503)
+
+    async def _release(self, replica: Replica, choice: Choice) -> None:
+        self._ended(replica)
+        await self.selector.finished(choice)
+
+    def _count(self, replica: Replica, policy: str, choice: Choice, code: int, usage: dict | None) -> None:
+        m = self.metrics
+        m.requests.labels(replica.name, policy, str(code)).inc()
+        for tier, tokens in choice.matched_tokens.items():
+            m.matched_tokens.labels(replica.name, policy, tier).inc(tokens)
+        if usage:
+            m.prompt_tokens.labels(replica.name, policy).inc(usage.get("prompt_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            m.cached_tokens.labels(replica.name, policy).inc(details.get("cached_tokens") or 0)
+
+    async def _pass_through(self, upstream: httpx.Response, replica: Replica, choice: Choice,
+                            policy: str) -> Response:
+        headers = _reply_headers(upstream, replica)
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+                await self.selector.first_bytes(choice)
+            finally:
+                await upstream.aclose()
+                await self._release(replica, choice)
+            self._count(replica, policy, choice, upstream.status_code, _usage_of_json(content))
+            return Response(content, upstream.status_code, headers=headers)
+
+        async def chunks():
+            usage = _SseUsage()
+            first = True
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if first:
+                        first = False
+                        await self.selector.first_bytes(choice)
+                    usage.feed(chunk)
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                await self._release(replica, choice)
+                self._count(replica, policy, choice, upstream.status_code, usage.usage)
+
+        return StreamingResponse(chunks(), upstream.status_code, headers=headers)
+
+
+def _reply_headers(upstream: httpx.Response, replica: Replica) -> dict[str, str]:
+    headers = {k: upstream.headers[k] for k in _KEPT_REPLY_HEADERS if k in upstream.headers}
+    headers[REPLICA_HEADER] = replica.name
+    return headers
+
+
+def _usage_of_json(content: bytes) -> dict | None:
+    try:
+        usage = json.loads(content).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _SseUsage:
+    """The last `usage` an SSE stream carried (`stream_options.include_usage`), read as lines complete."""
+
+    def __init__(self) -> None:
+        self._partial = b""
+        self.usage: dict | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                found = _usage_of_json(line[5:].strip())
+                if found:
+                    self.usage = found
+
+
+def create_app(router: Router) -> FastAPI:
+    """The router's app: the generation endpoints routed by the selector, any other `/v1/` request to a
+    replica in service, and `/metrics` and `/health` of its own."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await router.close()
+
+    app = FastAPI(title="kvtier route", lifespan=lifespan)
+    app.state.router = router
+
+    @app.get("/health")
+    async def health():
+        in_service = router.replicas.available()
+        return JSONResponse({"replicas_in_service": len(in_service)}, status_code=200 if in_service else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def v1(request: Request, rest: str):
+        return await router.forward(request, "/v1/" + rest)
+
+    return app
