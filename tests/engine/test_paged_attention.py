@@ -104,8 +104,20 @@ def test_kernel_refuses_a_table_shorter_than_the_context():
 
 
 def test_backend_per_arena(tiny_model):
-    assert isinstance(make_engine(tiny_model, 16).runner.backend, PagedBackend)
-    assert type(make_engine(tiny_model, 16, kv_codec="int8").runner.backend) is SDPABackend
+    for codec in ("raw", "fp8", "int8"):
+        assert isinstance(make_engine(tiny_model, 16, kv_codec=codec).runner.backend, PagedBackend)
+    assert type(make_engine(tiny_model, 64, kv_codec="int4", max_num_seqs=4).runner.backend) is SDPABackend
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_a_quantized_arena_through_the_kernel_equals_the_gather_path(tiny_model, tiny_prompts, codec):
+    # the kernel reads the step's blocks dequantized once per layer (`arena.paged_kv`): the same KV the
+    # gathers read, so the same tokens as an engine whose every sequence is gathered
+    def tokens(gather_min_queries):
+        engine = make_engine(tiny_model, 64, kv_codec=codec)
+        engine.runner.backend.gather_min_queries = gather_min_queries
+        return engine.generate(tiny_prompts, SamplingParams(max_tokens=30))
+    assert tokens(10 ** 6) == tokens(1)
 
 
 @pytest.mark.parametrize("gather_min_queries", [1, 4, 10 ** 6])

@@ -145,6 +145,14 @@ class RawArena:
     def begin_step(self, seqs: list) -> None:
         pass
 
+    def paged_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """The step's block table [S, max blocks] as block indices of `paged_kv` (raw: the arena's own)."""
+        return block_table
+
+    def paged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's keys and values as a paged kernel reads them in place: [num_blocks, H, T, D] each."""
+        return self.k_cache[layer], self.v_cache[layer]
+
     def end_step(self) -> None:
         pass
 
@@ -289,11 +297,8 @@ class QuantArena:
         [H, context of the group's last query, D] at full precision."""
         if self._plan is None or self._plan[1].get(id(seq), (None,))[0] is not seq:
             self._make_plan([seq])  # a gather outside the step's plan (tests, tools)
-        if layer not in self._decoded:  # after this layer's writes: this step's tokens included
-            union = self._plan[0]
-            self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
+        k_union, v_union = self._union(layer)  # after this layer's writes: this step's tokens included
         _, where, ids = self._plan[1][id(seq)]
-        k_union, v_union = self._decoded[layer]
         if isinstance(where, tuple):  # [H, blocks × T, D]
             k_full, v_full = k_union.narrow(1, *where), v_union.narrow(1, *where)
         else:
@@ -302,6 +307,29 @@ class QuantArena:
 
     def _groups(self, layer: int, seq, ids: list[int], k_full: torch.Tensor, v_full: torch.Tensor) -> list:
         return [(0, seq.q_end - seq.q_start, k_full[:, :seq.context_tokens], v_full[:, :seq.context_tokens])]
+
+    def _union(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's planned blocks of a layer dequantized, [H, n x T, D] each (once per layer, after its write)."""
+        if layer not in self._decoded:
+            union = self._plan[0]
+            self._decoded[layer] = (self._dequantize("k", layer, union), self._dequantize("v", layer, union))
+        return self._decoded[layer]
+
+    def paged_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """The step's block table [S, max blocks] as indices of `paged_kv`: each block's place in the step's
+        dequantized union (the plan's; padding maps anywhere: never read)."""
+        union = self._plan[0]
+        place = torch.zeros(self.num_blocks, dtype=torch.long, device=self.device)
+        place[union] = torch.arange(union.numel(), device=self.device)
+        return place[block_table]
+
+    def paged_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's planned blocks of a layer at full precision, as [n, H, T, D] views of the decoded union
+        (dequantized once per layer, as the gathers are): a paged kernel reads them through `paged_table`."""
+        h, t, d = self._block_half()
+        k, v = self._union(layer)
+        n = k.shape[1] // t
+        return tuple(x.as_strided((n, h, t, d), (t * d, x.stride(0), d, 1)) for x in (k.contiguous(), v.contiguous()))
 
     def end_step(self) -> None:
         self._plan, self._decoded = None, {}

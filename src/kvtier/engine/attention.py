@@ -42,6 +42,8 @@ ATTN_IMPLEMENTATION = "kvtier_paged"
 # (docs/benchmarks/engine-attention.md)
 GATHER_MIN_QUERIES = 64
 
+PAGED_CODECS = ("raw", "fp8", "int8")  # arenas the paged kernel reads (`arena.paged_kv`)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -90,21 +92,22 @@ class SDPABackend:
     def begin_step(self, meta: AttentionMetadata) -> None:
         self._begin(meta, range(meta.num_seqs))
 
-    def _begin(self, meta: AttentionMetadata, seq_ids) -> None:
-        """Plan the gathers of the sequences `seq_ids` (the others attend elsewhere)."""
-        loc = meta.query_start_loc
-        offloads = meta.offloads or [None] * meta.num_seqs
-        self._seqs = []
-        for i in seq_ids:
-            table, n, off = meta.block_tables[i], meta.seq_lens[i], offloads[i]
-            if off is None:
-                self._seqs.append(SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n))
-            else:  # the device window only; the host blocks come through the fetch area
-                index = self.arena.context_index(table, off.key_positions.numel(), off.key_positions)
-                self._seqs.append(SeqSlice(loc[i], loc[i + 1], index, off.key_positions.numel(), off))
-        self.arena.begin_step(self._seqs)
+    def _begin(self, meta: AttentionMetadata, seq_ids, planned_ids=()) -> None:
+        """Plan the gathers of the sequences `seq_ids`; a quantized arena also plans (dequantizes) the
+        blocks of `planned_ids` (sequences a kernel reads from the arena's `paged_kv`)."""
+        self._seqs = [self._slice(meta, i) for i in seq_ids]
+        self.arena.begin_step(self._seqs + [self._slice(meta, i) for i in planned_ids])
         if self.offload is not None:
-            self.offload.plan(offloads)
+            self.offload.plan(meta.offloads or [None] * meta.num_seqs)
+
+    def _slice(self, meta: AttentionMetadata, i: int) -> SeqSlice:
+        loc, table, n = meta.query_start_loc, meta.block_tables[i], meta.seq_lens[i]
+        off = meta.offloads[i] if meta.offloads else None
+        if off is None:
+            return SeqSlice(loc[i], loc[i + 1], self.arena.context_index(table, n), n)
+        # the device window only; the host blocks come through the fetch area
+        index = self.arena.context_index(table, off.key_positions.numel(), off.key_positions)
+        return SeqSlice(loc[i], loc[i + 1], index, off.key_positions.numel(), off)
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 meta: AttentionMetadata, scaling: float | None) -> torch.Tensor:
@@ -156,13 +159,15 @@ class PagedSeqs:
 
 
 class PagedBackend(SDPABackend):
-    """A raw arena read in place: the step's decodes and short prefill chunks in one `paged_kernel` call
-    per layer; long prefill chunks (`GATHER_MIN_QUERIES`) and offloaded sequences as `SDPABackend` does."""
+    """The arena read in place: the step's decodes and short prefill chunks in one `paged_kernel` call per
+    layer; long prefill chunks (`GATHER_MIN_QUERIES`) and offloaded sequences as `SDPABackend` does. A raw
+    arena is read where it is; fp8/int8 arenas from the step's blocks dequantized once per layer (as the
+    gathers read them)."""
 
     def __init__(self, arena, offload: OffloadAttention | None = None,
                  gather_min_queries: int = GATHER_MIN_QUERIES) -> None:
         super().__init__(arena, offload)
-        assert arena.codec == "raw" and arena.device.type == "cpu", "the paged kernel reads a raw CPU arena"
+        assert arena.codec in PAGED_CODECS and arena.device.type == "cpu", "the paged kernel reads CPU arenas"
         self.gather_min_queries = gather_min_queries
         self._paged: PagedSeqs | None = None
 
@@ -170,15 +175,17 @@ class PagedBackend(SDPABackend):
         loc, n = meta.query_start_loc, meta.num_seqs
         offloads = meta.offloads or [None] * n
         gathered = [i for i in range(n) if offloads[i] is not None or loc[i + 1] - loc[i] >= self.gather_min_queries]
-        self._begin(meta, gathered)
+        paged_ids = [i for i in range(n) if i not in set(gathered)]
+        self._begin(meta, gathered, paged_ids if self.arena.codec != "raw" else ())
         self._paged = None
-        if len(gathered) < n:
+        if paged_ids:
             starts, ends = meta.query_start_loc_tensor[:-1], meta.query_start_loc_tensor[1:]
             paged = PagedSeqs(meta.block_table, meta.seq_lens_tensor, starts, ends - starts)
             if gathered:  # the kernel's rows only
-                keep = torch.tensor(sorted(set(range(n)) - set(gathered)), dtype=torch.long)
+                keep = torch.tensor(paged_ids, dtype=torch.long)
                 paged = PagedSeqs(*(t.index_select(0, keep).contiguous() for t in
                                     (paged.block_table, paged.seq_lens, paged.query_start, paged.query_lens)))
+            paged.block_table = self.arena.paged_table(paged.block_table)
             self._paged = paged
 
     def forward(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -193,9 +200,9 @@ class PagedBackend(SDPABackend):
         if self._paged is not None:
             p = self._paged
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            paged_kernel.paged_attention(out[0].transpose(0, 1), q[0].transpose(0, 1), self.arena.k_cache[layer],
-                                         self.arena.v_cache[layer], p.block_table, p.seq_lens, p.query_start,
-                                         p.query_lens, scale)
+            k, v = self.arena.paged_kv(layer)
+            paged_kernel.paged_attention(out[0].transpose(0, 1), q[0].transpose(0, 1), k, v, p.block_table,
+                                         p.seq_lens, p.query_start, p.query_lens, scale)
         self._attend_gathered(layer, query, out, key.shape[1], scaling)
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -205,8 +212,9 @@ class PagedBackend(SDPABackend):
 
 
 def make_backend(arena, offload: OffloadAttention | None = None) -> AttentionBackend:
-    """The paged kernel where it reads this arena (raw, on the CPU) and could be built; else the gather path."""
-    if arena.codec == "raw" and arena.device.type == "cpu" and paged_kernel.available():
+    """The paged kernel where it reads this arena (raw, fp8, int8 on the CPU) and could be built; else the
+    gather path (KIVI's open blocks are read exact per query group: `KiviArena._groups`)."""
+    if arena.codec in PAGED_CODECS and arena.device.type == "cpu" and paged_kernel.available():
         return PagedBackend(arena, offload)
     return SDPABackend(arena, offload)
 
