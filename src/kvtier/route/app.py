@@ -63,7 +63,7 @@ class Router:
         if self.selector_down:
             log.warning("kvtier route: the %s selector answers again", self.selector.policy)
             self.selector_down = False
-        return choice, self.selector.policy
+        return choice, choice.policy or self.selector.policy
 
     def _take_out(self, replica: Replica, reason: str) -> None:
         backoff_s = self.replicas.take_out(replica)

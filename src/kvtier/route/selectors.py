@@ -33,6 +33,7 @@ class Choice:
     replica: Replica
     matched_tokens: dict[str, int] = field(default_factory=dict)  # the selector's view: tier -> tokens
     reservation_id: str | None = None  # dynamo: booked load to release when the request ends
+    policy: str = ""  # the policy that chose, where not the selector's own (dynamo asking least-loaded)
 
 
 class SelectorError(Exception):
@@ -127,7 +128,7 @@ class DynamoSelector:
 
     async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice:
         if not token_ids:  # nothing to match: load alone decides
-            return await self._least_loaded.choose(token_ids, candidates)
+            return await self._by_load(candidates)
         if not self._registered:
             await self.register()
         selection_id = uuid.uuid4().hex
@@ -138,9 +139,14 @@ class DynamoSelector:
         by_id = {r.replica_id: r for r in candidates}
         replica = by_id.get(picked.get("worker_id"))
         if replica is None:  # it chose a replica taken out: the load decides among the others, nothing booked
-            return await self._least_loaded.choose(token_ids, candidates)
+            return await self._by_load(candidates)
         await self._call("POST", "/reservations", {"selection_id": selection_id, "model_name": self.model_name})
         return Choice(replica, matched, selection_id)
+
+    async def _by_load(self, candidates: list[Replica]) -> Choice:
+        choice = await self._least_loaded.choose(None, candidates)
+        choice.policy = self._least_loaded.policy
+        return choice
 
     async def first_bytes(self, choice: Choice) -> None:
         if choice.reservation_id is not None:
