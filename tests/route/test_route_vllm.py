@@ -38,7 +38,8 @@ pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON.exists(),
                        reason=".venv-vllm is missing: `make vllm` creates it (`make test` does)"),
     pytest.mark.skipif(not DYNAMO_PYTHON.exists(),
-                       reason="no .venv-dynamo (Dynamo's selection service): `make dynamo` creates it (`make test` does)"),
+                       reason="no .venv-dynamo (Dynamo's selection service): `make dynamo` creates it "
+                              "(`make test` does)"),
 ]
 
 MODEL, DEVICE_BLOCKS, PROMPT_CHARS = "smollm2", 32, 1400  # ~400 tokens: 12 full blocks; the device holds 2.5 prompts

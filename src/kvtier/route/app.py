@@ -45,6 +45,9 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self.selector_down = False
 
+    async def start(self) -> None:
+        await self.selector.start()
+
     async def close(self) -> None:
         await self.client.aclose()
         await self.selector.close()
@@ -205,6 +208,7 @@ def create_app(router: Router) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await router.start()
         yield
         await router.close()
 

@@ -17,6 +17,7 @@ tiers), in tokens.
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +25,8 @@ from typing import Protocol
 import httpx
 
 from kvtier.route.replicas import Replica
+
+log = logging.getLogger("kvtier.route")
 
 POLICIES = ("round-robin", "least-loaded", "dynamo")
 
@@ -43,6 +46,8 @@ class SelectorError(Exception):
 class Selector(Protocol):
     policy: str
 
+    async def start(self) -> None: ...
+
     async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice: ...
 
     async def first_bytes(self, choice: Choice) -> None: ...
@@ -53,6 +58,9 @@ class Selector(Protocol):
 
 
 class _Stateless:
+    async def start(self) -> None:
+        pass
+
     async def first_bytes(self, choice: Choice) -> None:
         pass
 
@@ -125,6 +133,14 @@ class DynamoSelector:
                 worker["replay_endpoint"] = replica.kv_events_replay_endpoint
             await self._call("POST", "/workers", worker)
         self._registered = True
+
+    async def start(self) -> None:
+        """Registers the replicas (their KV events flow into the index from then on); a selector not up yet
+        is registered at the first request it answers."""
+        try:
+            await self.register()
+        except SelectorError as exc:
+            log.warning("kvtier route: the dynamo selector did not take the replicas yet (%s)", exc)
 
     async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice:
         if not token_ids:  # nothing to match: load alone decides
