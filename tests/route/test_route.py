@@ -222,3 +222,19 @@ def test_token_ids_are_the_replicas_own():
     assert chat_token_ids(tok, {**parts, "add_generation_prompt": False}) == list(b"<user>a\nb\n")
     assert prompt_token_ids(tok, "/v1/chat/completions", {"messages": "nope"}) is None
     assert prompt_token_ids(None, "/v1/completions", BODY) is None
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ([], "needs --selector URL"),
+    (["--selector", "http://127.0.0.1:1"], "needs --kv-events ENDPOINT per replica"),
+    (["--selector", "http://127.0.0.1:1", "--kv-events", "ipc:///tmp/a", "--kv-events", "ipc:///tmp/b"],
+     "--kv-events: one per --replica"),
+    (["--selector", "http://127.0.0.1:1", "--kv-events", "ipc:///tmp/a"], "needs --tokenizer"),
+])
+def test_the_dynamo_policy_without_what_it_needs_is_a_one_line_error(capsys, args, message):
+    from kvtier.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["route", "--replica", "http://127.0.0.1:1", "--policy", "dynamo", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and err.count("\n") == 1

@@ -29,8 +29,11 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
                                  block_size=block_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if policy == "dynamo" and not kv_events:  # Dynamo 1.6.1: "kv_events endpoint is required"
+        raise UserError("the dynamo policy needs --kv-events ENDPOINT per replica (each one's --kv-events-config "
+                        "endpoint): Dynamo's selector schedules only workers whose KV events it reads")
     if policy == "dynamo" and tokenizer_path is None:
-        raise UserError("the dynamo policy matches token ids: --tokenizer MODEL_DIR (the replicas' model)")
+        raise UserError("the dynamo policy needs --tokenizer MODEL_DIR (the replicas' model): it matches token ids")
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     return Router(ReplicaSet(replicas), selector, tokenizer=tokenizer)
 
