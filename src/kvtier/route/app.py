@@ -10,6 +10,7 @@ A body the router cannot read is still forwarded: the replica's 400 is the answe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -87,9 +88,9 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         token_ids = None
-        if path in _GENERATION_PATHS:
-            try:
-                token_ids = prompt_token_ids(self.tokenizer, path, json.loads(body))
+        if path in _GENERATION_PATHS and self.tokenizer is not None:
+            try:  # once per request, retries included; off the event loop (a long prompt takes a while)
+                token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, json.loads(body))
             except ValueError:  # not JSON: the replica says so
                 pass
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
