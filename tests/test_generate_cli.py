@@ -112,3 +112,46 @@ def test_generate_passes_offload_page_tokens_to_tiered_cache(tiny_model, monkeyp
     assert not info.value.code
     offload = json.loads(capsys.readouterr().out)["offload"]
     assert offload["mode"] == "sparse:1" and offload["fetched_bytes_per_decode_token"] == 2 * 2 * 256
+
+
+def test_second_process_reports_where_its_ttft_went(tiny_model, monkeypatch, capsys, tmp_path):
+    """`kvtier generate --json` twice on one SSD directory: the second finds the prompt's full blocks on the SSD,
+    and its TTFT is split into the restore (the SSD read, the promotion into DRAM) and the prefill of the rest;
+    the process's first forward (the warm-up) runs before the request's clock starts."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from kvtier import generate_cli, models
+
+    class ByteTokenizer:  # the tiny model has none: a byte per token
+        eos_token_id = None
+
+        def __call__(self, text):
+            return SimpleNamespace(input_ids=[3 + b % 250 for b in text.encode()])
+
+        def decode(self, ids, skip_special_tokens=True):
+            return str(ids)
+
+    monkeypatch.setattr(models, "load", lambda spec: dataclasses.replace(tiny_model, tokenizer=ByteTokenizer()))
+    order = []
+    for name in ("warm_up", "run_generate"):
+        real = getattr(generate_cli, name)
+        monkeypatch.setattr(generate_cli, name, lambda *a, _real=real, _name=name, **k: order.append(_name) or
+                            _real(*a, **k))
+    runs = []
+    for _ in range(2):
+        with pytest.raises(SystemExit) as info:
+            main(["generate", "--prompt", "word " * 20, "--max-new-tokens", "4", "--tiers", "dram,ssd", "--ssd-dir",
+                  str(tmp_path / "ssd"), "--block-tokens", "16", "--json"])
+        assert not info.value.code
+        runs.append(json.loads(capsys.readouterr().out))
+    first, second = runs
+    assert order == ["warm_up", "run_generate"] * 2
+    assert (first["cached_tokens"], second["cached_tokens"], second["hit_tokens_by_tier"]) == (0, 96, {"ssd": 96})
+    assert second["text"] == first["text"] and second["warmup_s"] > 0
+    b = second["ttft_breakdown"]
+    assert b["restore_s"] + b["prefill_s"] == pytest.approx(second["ttft_s"], abs=1e-9)
+    assert b["tier_read_s"]["ssd"] > 0 and b["tier_read_s"]["dram"] == 0   # all 6 blocks read from the SSD ...
+    assert b["tier_write_s"]["dram"] > 0 and b["tier_write_s"]["ssd"] == 0  # ... and promoted into DRAM
+    assert first["ttft_breakdown"]["tier_read_s"] == {"dram": 0, "ssd": 0}

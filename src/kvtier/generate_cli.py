@@ -37,6 +37,11 @@ class GenerateResult:
     stored_blocks: int = 0
     tier_stats: dict[str, dict] = field(default_factory=dict)
     offload: dict | None = None  # --kv-offload: what the long context cost (engine/offload.py OffloadStats)
+    # where the TTFT went: restore_s (load_prefix: the tiers' reads, verify, copies into the cache, and the
+    # promotion of blocks read from below into the top tier, in tier_write_s) + prefill_s (the forward of the
+    # uncached tokens and the first token's sampling); tier_read_s / tier_write_s by tier, within restore_s
+    ttft_breakdown: dict = field(default_factory=dict)
+    warmup_s: float = 0.0  # the process's first forward, before the request's clock (as a server warms up)
 
 
 def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
@@ -58,6 +63,22 @@ def tier_specs(tiers: str, *, ssd_dir: str | None, pool_url: str | None,
             raise UserError(f"unknown tier {name!r}: use dram, ssd, mooncake, redis")
     order = {"dram": 0, "mooncake": 1, "redis": 1, "ssd": 2}
     return sorted(parse_specs(specs), key=lambda spec: order[spec.kind])
+
+
+def warm_up(loaded, num_tokens: int = 8) -> float:
+    """One small forward before any request is timed: a fresh process's first forward pays one-off costs
+    (torch's and the model's lazy initialisation) that are not the request's, as a server pays them at start.
+    Returns its seconds."""
+    import torch
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        loaded.model(torch.zeros((1, num_tokens), dtype=torch.long, device=loaded.model.device))
+    return time.perf_counter() - start
+
+
+def _tier_seconds(manager) -> dict[str, tuple[float, float]]:
+    return {name: (stats.read_seconds, stats.write_seconds) for name, stats in manager.stats().items()}
 
 
 class _FirstTokenTimer:
@@ -87,12 +108,15 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
 
     device = loaded.model.device
     ids = torch.tensor([prompt_ids], device=device)
+    tier_before = _tier_seconds(manager) if manager is not None else {}
     start = time.perf_counter()
     cache = TieredCache.for_model(loaded, manager, codec=codec, block_tokens=block_tokens, resident_codec=kv_codec,
                                   kv_offload=kv_offload, offload_sink_blocks=offload_sink_blocks,
                                   offload_recent_blocks=offload_recent_blocks,
                                   **({"offload_page_tokens": offload_page_tokens} if offload_page_tokens else {}))
     cached = cache.load_prefix(ids, reserve_tokens=max_new_tokens)
+    restored = time.perf_counter()
+    tier_after = _tier_seconds(manager) if manager is not None else {}
     timer = _FirstTokenTimer()
     with torch.inference_mode():
         out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
@@ -108,7 +132,11 @@ def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str
         cached_tokens=cached, new_tokens=len(new_ids),
         decode_tokens_per_s=(len(new_ids) - 1) / (end - first) if len(new_ids) > 1 and end > first else 0.0,
         hit_tokens_by_tier=dict(cache.prefix.hit_tokens_by_tier), stored_blocks=stored,
-        offload=cache.offload_stats.to_dict() if cache.offload is not None else None)
+        offload=cache.offload_stats.to_dict() if cache.offload is not None else None,
+        ttft_breakdown={
+            "restore_s": restored - start, "prefill_s": first - restored,
+            "tier_read_s": {name: tier_after[name][0] - read for name, (read, _) in tier_before.items()},
+            "tier_write_s": {name: tier_after[name][1] - write for name, (_, write) in tier_before.items()}})
 
 
 def run_engine_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, config) -> GenerateResult:
@@ -154,6 +182,13 @@ def _print_result(result: GenerateResult) -> None:
     table.add_row(str(result.prompt_tokens), str(result.cached_tokens), hits, f"{result.ttft_s * 1000:.1f} ms",
                   f"{result.decode_tokens_per_s:.1f}", str(result.stored_blocks))
     console.print(table)
+    b = result.ttft_breakdown
+    if b:
+        reads = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in b["tier_read_s"].items() if v)
+        writes = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in b["tier_write_s"].items() if v)
+        console.print(f"TTFT = restore {b['restore_s'] * 1000:.0f} ms (tier reads: {reads or '-'}; promotion writes: "
+                      f"{writes or '-'}) + prefill {b['prefill_s'] * 1000:.0f} ms; the process's first forward "
+                      f"({result.warmup_s * 1000:.0f} ms) ran before the clock")
     if result.offload:
         o = result.offload
         console.print(f"offload {o['mode']}: peak device KV {o['peak_device_kv_bytes']:,} B, host KV "
@@ -206,6 +241,7 @@ def register(app: typer.Typer) -> None:
         loaded = models.load(model)
         if loaded.tokenizer is None:
             raise UserError(f"model {model!r} has no tokenizer; generate needs one")
+        warmup_s = warm_up(loaded)
         layout = loaded.kv_layout(shared.block_tokens)
         manager = build_manager(tier_specs(tiers, ssd_dir=ssd_dir, pool_url=pool_url),
                                 slot_bytes=get_codec(shared.codec).max_encoded_bytes(layout))
@@ -221,6 +257,7 @@ def register(app: typer.Typer) -> None:
                                       offload_recent_blocks=shared.offload_recent_blocks,
                                       offload_page_tokens=shared.offload_page_tokens)
             manager.flush()
+            result.warmup_s = warmup_s
             result.tier_stats = {name: asdict(stats) for name, stats in manager.stats().items()}
         finally:
             manager.close()
