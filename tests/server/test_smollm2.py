@@ -42,7 +42,8 @@ def test_chat_equals_generate_and_second_turn_hits_the_cache(smollm2):
     assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16 > 0
 
 
-README_REQUEST = {"model": "smollm2", "messages": [{"role": "user", "content": "What is a KV cache?"}], "max_tokens": 48}
+README_REQUEST = {"model": "smollm2", "messages": [{"role": "user", "content": "What is a KV cache?"}],
+                  "max_tokens": 48}
 
 
 def test_readme_request_defaults_sampling_from_the_generation_config(smollm2):
