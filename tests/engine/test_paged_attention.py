@@ -69,6 +69,18 @@ def test_kernel_equals_sdpa_over_the_gathered_context(block_tokens, group, head_
         torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seqs", [[(1, 3000)], [(1, 2100), (2, 1500)], [(1, 1025), (1, 513)]])
+def test_long_decodes_split_over_the_threads_equal_sdpa(seqs):
+    # fewer items than threads: each decode's blocks in parts of whole 512-key chunks, merged by log-sum-exp
+    k, v, tables, block_table, seq_lens, starts, lens, q = _paged_case(seqs, 64, 2, 3, 64)
+    out = torch.empty_like(q)
+    paged_kernel.paged_attention(out, q, k, v, block_table, seq_lens, starts, lens, 0.125)
+    for i, (num_queries, context) in enumerate(seqs):
+        rows = slice(int(starts[i]), int(starts[i] + lens[i]))
+        torch.testing.assert_close(out[rows], _sdpa(q[rows], k, v, tables[i], num_queries, context, 0.125),
+                                   rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_reads_half_precision_kv(dtype):
     # the vector path (keys transposed, values converted per block) for many rows, in place for few

@@ -83,8 +83,12 @@ static inline float exp_neg(float x) {
   return r;
 }
 
+// A work item: a KV head's query group for queries q0..q1 of a sequence, over its blocks j_begin..j_end
+// (-1: all it sees). part >= 0: one of several items splitting a long decode's blocks, its unnormalized
+// result written to the partials (merged after), so one long sequence still keeps every thread busy.
 struct Item {
   int64_t seq, head, q0, q1, cost;
+  int64_t j_begin = 0, j_end = -1, part = -1;
 };
 
 constexpr int kLanes = 16;  // one AVX-512 vector of fp32 (two AVX2 ones)
@@ -92,27 +96,6 @@ constexpr int kRows = 8;    // query rows per register block
 
 template <typename kv_t>
 static inline float to_float(kv_t x) { return static_cast<float>(x); }
-
-// scores of `rows` (<= kRows) query rows against `tn` keys read in place (decode: no transpose),
-// by 16-lane partial sums along D (vectorizes without reassociating)
-template <typename kv_t>
-static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb, int64_t k_st, int64_t tn,
-                                 int64_t D, float* sc, int64_t sc_stride) {
-  for (int64_t t = 0; t < tn; ++t) {
-    const kv_t* kr = kb + t * k_st;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = qbuf + r * D;
-      float part[kLanes] = {0};
-      int64_t d = 0;
-      for (; d + kLanes <= D; d += kLanes)
-        for (int i = 0; i < kLanes; ++i) part[i] += qr[d + i] * to_float(kr[d + i]);
-      float s = 0.f;
-      for (; d < D; ++d) s += qr[d] * to_float(kr[d]);
-      for (int i = 0; i < kLanes; ++i) s += part[i];
-      sc[r * sc_stride + t] = s;
-    }
-  }
-}
 
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));  // GCC/clang vector extension
 
@@ -123,6 +106,99 @@ static inline vfloat load(const float* p) {
 }
 
 static inline void store(float* p, vfloat x) { std::memcpy(p, &x, sizeof(x)); }
+
+// 16 floats of a key or value row (converted from bf16/fp16)
+template <typename kv_t>
+static inline vfloat load_kv(const kv_t* p) {
+  if constexpr (std::is_same<kv_t, float>::value) {
+    return load(p);
+  } else {
+    vfloat x;
+    for (int i = 0; i < kLanes; ++i) x[i] = static_cast<float>(p[i]);
+    return x;
+  }
+}
+
+// the sums of a0, a1, a2, a3's lanes, as lanes 0, 4, 8, 12 (a transposing tree: no serial lane adds)
+static inline vfloat sum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
+  const vfloat t01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vfloat t23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                     __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vfloat u = __builtin_shufflevector(t01, t23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(t01, t23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vfloat v = u + __builtin_shufflevector(u, u, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+// scores of `rows` (a decode's few) query rows against `tn` keys read in place: four keys at a time,
+// each a vector accumulator over D (independent FMA chains), reduced together by `sum4`
+template <typename kv_t>
+static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb, int64_t k_st, int64_t tn,
+                                 int64_t D, float* sc, int64_t sc_stride) {
+  int64_t t = 0;
+  if (D % kLanes == 0) {
+    for (; t + 4 <= tn; t += 4) {
+      const kv_t* k0 = kb + t * k_st;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qbuf + r * D;
+        vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
+        for (int64_t d = 0; d < D; d += kLanes) {
+          const vfloat qv = load(qr + d);
+          a0 += qv * load_kv(k0 + d);
+          a1 += qv * load_kv(k0 + k_st + d);
+          a2 += qv * load_kv(k0 + 2 * k_st + d);
+          a3 += qv * load_kv(k0 + 3 * k_st + d);
+        }
+        const vfloat total = sum4(a0, a1, a2, a3);
+        float* out = sc + r * sc_stride + t;
+        out[0] = total[0];
+        out[1] = total[4];
+        out[2] = total[8];
+        out[3] = total[12];
+      }
+    }
+  }
+  for (; t < tn; ++t) {
+    const kv_t* kr = kb + t * k_st;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = qbuf + r * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kr[d]);
+      sc[r * sc_stride + t] = s;
+    }
+  }
+}
+
+// acc[r] += sum_t p[r, t] v[t] for a decode's few rows, the values read in place: per chunk of D, four
+// independent accumulators over the keys (D a multiple of kLanes; else plain loops)
+template <typename kv_t>
+static inline void values_direct(const float* sc, int64_t sc_stride, const kv_t* vb, int64_t v_st,
+                                 const int64_t* count, int64_t rows, int64_t D, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = sc + r * sc_stride;
+    float* a = acc + r * D;
+    const int64_t n = count[r];
+    if (D % kLanes) {
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(vb[t * v_st + d]);
+      continue;
+    }
+    for (int64_t d = 0; d < D; d += kLanes) {
+      vfloat o0 = {}, o1 = {}, o2 = {}, o3 = {};
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const kv_t* v0 = vb + t * v_st + d;
+        o0 += p[t] * load_kv(v0);
+        o1 += p[t + 1] * load_kv(v0 + v_st);
+        o2 += p[t + 2] * load_kv(v0 + 2 * v_st);
+        o3 += p[t + 3] * load_kv(v0 + 3 * v_st);
+      }
+      for (; t < n; ++t) o0 += p[t] * load_kv(vb + t * v_st + d);
+      store(a + d, load(a + d) + ((o0 + o1) + (o2 + o3)));
+    }
+  }
+}
 
 // scores of row blocks of kRows against a transposed block kt [D, Tp] (Tp a multiple of kLanes,
 // zero past the block's keys): kRows vector accumulators in registers (enough independent FMAs to
@@ -178,7 +254,7 @@ void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, flo
                  const kv_t* k, const kv_t* v, const int64_t* tables, int64_t table_stride, const int64_t* seq_lens,
                  const int64_t* q_start, const int64_t* q_lens, int64_t group, int64_t block_tokens, int64_t head_dim,
                  int64_t k_sb, int64_t k_sh, int64_t k_st, int64_t v_sb, int64_t v_sh, int64_t v_st,
-                 float scale, std::vector<float>& scratch, std::vector<int64_t>& counts) {
+                 float scale, std::vector<float>& scratch, std::vector<int64_t>& counts, float* partials) {
   const int64_t D = head_dim, T = block_tokens, G = group;
   const int64_t nq = q_lens[it.seq];
   const int64_t first_pos = seq_lens[it.seq] - nq;  // position of the sequence's first query this step
@@ -215,8 +291,8 @@ void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, flo
   }
   std::fill(acc, acc + rows_padded * D, 0.f);
   const int64_t* table = tables + it.seq * table_stride;
-  const int64_t num_blocks = (kv_end + T - 1) / T;
-  for (int64_t j0 = 0; j0 < num_blocks; j0 += blocks_per_chunk) {
+  const int64_t num_blocks = it.j_end < 0 ? (kv_end + T - 1) / T : it.j_end;
+  for (int64_t j0 = it.j_begin; j0 < num_blocks; j0 += blocks_per_chunk) {
     const int64_t j1 = std::min(num_blocks, j0 + blocks_per_chunk);
     const int64_t chunk_tokens = std::min(kv_end - j0 * T, (j1 - j0) * T);
     for (int64_t j = j0; j < j1; ++j) {
@@ -274,22 +350,46 @@ void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, flo
           for (int64_t d = 0; d < D; ++d) vconv[t * D + d] = to_float(vb[t * v_st + d]);
         values_tiled(s, C, vconv, D, count, rows_padded, D, acc);
       } else {
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* p = s + r * C;
-          float* a = acc + r * D;
-          for (int64_t t = 0; t < count[r]; ++t) {
-            const kv_t* vt = vb + t * v_st;
-            for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(vt[d]);
-          }
-        }
+        values_direct(s, C, vb, v_st, count, rows, D, acc);
       }
     }
+  }
+  if (it.part >= 0) {  // [kRows, D + 2] a part (split items have at most kRows rows): acc, m, l
+    float* dst = partials + it.part * kRows * (D + 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(dst + r * (D + 2), acc + r * D, D * sizeof(float));
+      dst[r * (D + 2) + D] = m[r];
+      dst[r * (D + 2) + D + 1] = l[r];
+    }
+    return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = q_start[it.seq] + it.q0 + r / G, hq = it.head * G + r % G;
     float* dst = out + n * o_sn + hq * o_sh;
     const float inv = 1.f / l[r];
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+  }
+}
+
+// the parts of a split item merged by their log-sum-exp into its rows of out
+static void merge_parts(const Item& it, int64_t num_parts, const float* partials, float* out, int64_t o_sn,
+                        int64_t o_sh, const int64_t* q_start, int64_t group, int64_t D) {
+  const int64_t rows = (it.q1 - it.q0) * group;
+  std::vector<float> acc(D);
+  for (int64_t r = 0; r < rows; ++r) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < num_parts; ++p) mx = std::max(mx, partials[((it.part + p) * kRows + r) * (D + 2) + D]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* src = partials + ((it.part + p) * kRows + r) * (D + 2);
+      const float w = exp_neg(src[D] - mx);
+      l += w * src[D + 1];
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * src[d];
+    }
+    const int64_t n = q_start[it.seq] + it.q0 + r / group, hq = it.head * group + r % group;
+    float* dst = out + n * o_sn + hq * o_sh;
+    for (int64_t d = 0; d < D; ++d) dst[d] = acc[d] / l;
   }
 }
 
@@ -334,6 +434,37 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
       for (int64_t h = 0; h < H; ++h) items.push_back({s, h, q0, q1, cost});
     }
   }
+  // too few items for the threads (one or two long decodes): split each decode's blocks into parts of whole
+  // chunks (flash-decoding), merged after
+  std::vector<std::pair<Item, int64_t>> splits;  // (the item, with part = its first part), its number of parts
+  int64_t num_parts = 0;
+  const int64_t blocks_per_chunk = std::max<int64_t>(1, kChunkTokens / T);
+  if (static_cast<int64_t>(items.size()) < 2 * num_threads) {
+    const int64_t want = (4 * num_threads + items.size() - 1) / items.size();
+    std::vector<Item> split_items;
+    for (const Item& it : items) {
+      const int64_t blocks = (lens[it.seq] - nqs[it.seq] + it.q1 + T - 1) / T;
+      const int64_t parts = std::min(want, blocks / blocks_per_chunk);
+      if ((it.q1 - it.q0) * G > kRows || parts < 2) {
+        split_items.push_back(it);
+        continue;
+      }
+      Item first = it;
+      first.part = num_parts;
+      splits.push_back({first, parts});
+      const int64_t per_part = (blocks + parts - 1) / parts;
+      for (int64_t p = 0; p < parts; ++p) {
+        Item part = it;
+        part.j_begin = p * per_part;
+        part.j_end = std::min(blocks, (p + 1) * per_part);
+        part.part = num_parts++;
+        part.cost = it.cost / parts;
+        if (part.j_begin < part.j_end) split_items.push_back(part);
+      }
+    }
+    items.swap(split_items);
+  }
+  std::vector<float> partials(num_parts * kRows * (D + 2));
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -349,10 +480,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
                               out.stride(0), out.stride(1), kp, vp, block_tables.data_ptr<int64_t>(),
                               block_tables.size(1), lens, starts, nqs, G, T, D, k.stride(0), k.stride(1),
                               k.stride(2), v.stride(0), v.stride(1), v.stride(2), static_cast<float>(scale),
-                              scratch, counts);
+                              scratch, counts, partials.data());
       }
     });
   });
+  for (const auto& sp : splits)
+    merge_parts(sp.first, sp.second, partials.data(), out.data_ptr<float>(), out.stride(0), out.stride(1), starts, G, D);
 }
 
 }  // namespace
