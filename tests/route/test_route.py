@@ -18,6 +18,7 @@ from conftest import StubReplica, StubSelector, dead_url, router_over, running  
 from kvtier.route.app import REPLICA_HEADER  # noqa: E402
 from kvtier.route.prompts import chat_token_ids, prompt_token_ids  # noqa: E402
 from kvtier.server.tokenizer import ByteTokenizer  # noqa: E402
+from kvtier.testing.app_thread import AppThread  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,6 +181,33 @@ def test_a_selector_that_is_down_falls_back_to_least_loaded_logged_once(caplog):
     assert metrics[("kvtier_route_selector_fallbacks_total", ())] == 4
     assert metrics[("kvtier_route_requests_total", (("code", "200"), ("policy", "least-loaded"),
                                                     ("replica", stub_name(urls[0]))))] == 2
+
+
+def test_a_selector_back_up_chooses_again_logged_once_each_way(caplog):
+    stubs = [StubReplica("a"), StubReplica("b")]
+    selector = StubSelector(picks=[2, 2])
+    selector_thread = AppThread(selector.app(), name="selector")  # its port is known; it starts later
+    with caplog.at_level(logging.WARNING, logger="kvtier.route"), running(*stubs) as urls, \
+            router_over(urls, "dynamo", tokenizer=ByteTokenizer(), selector_url=selector_thread.url,
+                        kv_events=["ipc:///tmp/a.sock", "ipc:///tmp/b.sock"]) as (url, _):
+        assert _answered_by(url, 2) == ["a", "b"]  # least-loaded meanwhile
+        with selector_thread:
+            assert _answered_by(url, 2) == ["b", "b"]  # registered at its first answer, then its picks
+        metrics = _metrics(url)
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("selector is unavailable" in m for m in messages) == 1
+    assert sum("selector answers again" in m for m in messages) == 1
+    assert selector.calls[:3] == [("POST", "/workers"), ("POST", "/workers"), ("POST", "/select")]
+    assert metrics[("kvtier_route_selector_fallbacks_total", ())] == 2
+
+
+def test_a_stream_refused_with_500_is_streamed_by_another_replica(clock):
+    stubs = [StubReplica("a", failing=True), StubReplica("b")]
+    with running(*stubs) as urls, router_over(urls, "round-robin", clock=clock) as (url, _):
+        reply = _post(url, {**BODY, "stream": True})
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+    assert reply.content == b"".join(stubs[1].sse_chunks())
+    assert [len(s.bodies) for s in stubs] == [1, 1]
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "dynamo"])

@@ -123,6 +123,8 @@ def test_a_request_goes_to_the_replica_that_holds_its_prefix(cluster, prompts):
         full = (len(ids_a) if replica == 0 else len(ids_b)) // BLOCK_TOKENS * BLOCK_TOKENS
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= full - BLOCK_TOKENS
     assert answered == [0, 1, 0]
+    print(f"\nrouted [0, 1, 0]; last reply cached {reply['usage']['prompt_tokens_details']['cached_tokens']} of "
+          f"{reply['usage']['prompt_tokens']} prompt tokens")
     text = httpx.get(cluster["url"] + "/metrics").text
     assert 'kvtier_route_requests_total{code="200",policy="dynamo"' in text
 
@@ -151,6 +153,10 @@ def test_a_prefix_the_device_evicted_goes_to_the_replica_whose_tier_keeps_it(clu
     replica, reply = _routed(cluster, {"prompt": prompts[3] + " And more."})
     assert replica == 1  # device 0, host (kvtier's shm) all: Dynamo credits the host tier
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= (num_blocks - 1) * BLOCK_TOKENS
+    hits = (reply.get("kv_transfer_params") or {}).get("kvtier_hit_tokens", {})
+    assert hits.get("shm", 0) >= (num_blocks - 1) * BLOCK_TOKENS  # loaded from kvtier's tier, not recomputed
+    print(f"\nrouted to replica 2: cached {reply['usage']['prompt_tokens_details']['cached_tokens']} of "
+          f"{reply['usage']['prompt_tokens']} prompt tokens, kvtier hits {hits}")
     name = cluster["servers"][1].url.removeprefix("http://")
     matched = f'kvtier_route_selector_matched_tokens_total{{policy="dynamo",replica="{name}",tier="cpu"}}'
     assert matched in httpx.get(cluster["url"] + "/metrics").text
