@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -105,6 +106,28 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@contextmanager
+def dying_replica():
+    """A replica that answers 200 with half a body, then drops the connection; yields its URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"rep")
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
 
 
 def dead_url() -> str:

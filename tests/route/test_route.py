@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import StubReplica, StubSelector, dead_url, router_over, running  # noqa: E402
+from conftest import StubReplica, StubSelector, dead_url, dying_replica, router_over, running  # noqa: E402
 
 from kvtier.route.app import REPLICA_HEADER  # noqa: E402
 from kvtier.route.prompts import chat_token_ids, prompt_token_ids  # noqa: E402
@@ -158,6 +158,14 @@ def test_a_replica_refusing_connections_loses_no_request(clock):
                                                    ("replica", stub_name(down))))] == 2
     assert metrics[("kvtier_route_requests_total", (("code", "200"), ("policy", "least-loaded"),
                                                     ("replica", stub_name(url_b))))] == 6
+
+
+def test_a_replica_dropping_the_connection_mid_reply_loses_no_request(clock):
+    stub = StubReplica("b")
+    with running(stub) as (url_b,), dying_replica() as dying, \
+            router_over([dying, url_b], "round-robin", clock=clock) as (url, router):
+        assert _answered_by(url, 3) == ["b", "b", "b"]
+        assert router.replicas.replicas[0].num_failures == 1
 
 
 def test_every_replica_failing_passes_the_last_5xx_through_and_none_in_service_is_a_503(clock):

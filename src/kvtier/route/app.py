@@ -87,45 +87,72 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
-        token_ids = None
-        if path in _GENERATION_PATHS and self.tokenizer is not None:
-            try:  # once per request, retries included; off the event loop (a long prompt takes a while)
-                token_ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, json.loads(body))
-            except ValueError:  # not JSON: the replica says so
-                pass
+        token_ids = await self._token_ids(path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         headers["accept-encoding"] = "identity"  # bytes pass through as they come, never re-encoded
+        upstream_request = (request.method, path, request.query_params, headers, body)
         tried: set[int] = set()
         last_failure: Response | None = None
         while candidates := self.replicas.available(exclude=tried):
             choice, policy = await self.choose(token_ids, candidates)
-            replica = choice.replica
-            tried.add(replica.replica_id)
-            self._started(replica)
-            upstream_request = self.client.build_request(request.method, replica.url.rstrip("/") + path,
-                                                         params=request.query_params, headers=headers,
-                                                         content=body)
-            try:
-                upstream = await self.client.send(upstream_request, stream=True)
-            except httpx.TransportError as exc:
-                await self._release(replica, choice)
-                self._take_out(replica, f"unreachable: {type(exc).__name__}")
-                continue
-            if upstream.status_code >= 500:
-                content = await upstream.aread()
-                await upstream.aclose()
-                await self._release(replica, choice)
-                self._take_out(replica, f"answered {upstream.status_code}")
-                last_failure = Response(content, upstream.status_code, headers=_reply_headers(upstream, replica))
-                continue
-            if self.replicas.succeeded(replica):
-                self.metrics.up.labels(replica.name).set(1)
-                log.warning("kvtier route: replica %s is back in service", replica.name)
-            return await self._pass_through(upstream, replica, choice, policy)
+            tried.add(choice.replica.replica_id)
+            reply, failure = await self._send(upstream_request, choice, policy)
+            if reply is not None:
+                return reply
+            last_failure = failure or last_failure
         if last_failure is not None:
             return last_failure
         return JSONResponse({"error": {"message": "kvtier route: no replica is in service (all taken out)",
                                        "type": "service_unavailable", "code": 503}}, status_code=503)
+
+    async def _token_ids(self, path: str, body: bytes) -> list[int] | None:
+        """Once per request, retries included; off the event loop (a long prompt takes a while)."""
+        if path not in _GENERATION_PATHS or self.tokenizer is None:
+            return None
+        try:
+            return await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, json.loads(body))
+        except ValueError:  # not JSON: the replica says so
+            return None
+
+    async def _send(self, upstream_request: tuple, choice: Choice, policy: str) -> tuple[Response | None,
+                                                                                          Response | None]:
+        """(the reply to pass through, None), or (None, the replica's 5xx or None) when it failed."""
+        method, path, params, headers, body = upstream_request
+        replica = choice.replica
+        self._started(replica)
+        try:
+            upstream = await self.client.send(self.client.build_request(
+                method, replica.url.rstrip("/") + path, params=params, headers=headers, content=body), stream=True)
+        except httpx.TransportError as exc:
+            await self._failed(replica, choice, f"unreachable: {type(exc).__name__}")
+            return None, None
+        streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        content = b""
+        if upstream.status_code >= 500 or not streamed:  # a whole body: a replica dying in it is retried
+            try:
+                content = await upstream.aread()
+            except httpx.TransportError as exc:
+                await self._failed(replica, choice, f"unreachable: {type(exc).__name__}")
+                return None, None
+            finally:
+                await upstream.aclose()
+        reply_headers = _reply_headers(upstream, replica)
+        if upstream.status_code >= 500:
+            await self._failed(replica, choice, f"answered {upstream.status_code}")
+            return None, Response(content, upstream.status_code, headers=reply_headers)
+        if self.replicas.succeeded(replica):
+            self.metrics.up.labels(replica.name).set(1)
+            log.warning("kvtier route: replica %s is back in service", replica.name)
+        if streamed:
+            return self._stream_through(upstream, choice, policy), None
+        await self.selector.first_bytes(choice)
+        await self._release(replica, choice)
+        self._count(replica, policy, choice, upstream.status_code, _usage_of_json(content))
+        return Response(content, upstream.status_code, headers=reply_headers), None
+
+    async def _failed(self, replica: Replica, choice: Choice, reason: str) -> None:
+        await self._release(replica, choice)
+        self._take_out(replica, reason)
 
     async def _release(self, replica: Replica, choice: Choice) -> None:
         self._ended(replica)
@@ -141,18 +168,9 @@ class Router:
             details = usage.get("prompt_tokens_details") or {}
             m.cached_tokens.labels(replica.name, policy).inc(details.get("cached_tokens") or 0)
 
-    async def _pass_through(self, upstream: httpx.Response, replica: Replica, choice: Choice,
-                            policy: str) -> Response:
-        headers = _reply_headers(upstream, replica)
-        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                content = await upstream.aread()
-                await self.selector.first_bytes(choice)
-            finally:
-                await upstream.aclose()
-                await self._release(replica, choice)
-            self._count(replica, policy, choice, upstream.status_code, _usage_of_json(content))
-            return Response(content, upstream.status_code, headers=headers)
+    def _stream_through(self, upstream: httpx.Response, choice: Choice, policy: str) -> StreamingResponse:
+        """SSE chunk by chunk as it arrives; a replica dying mid-stream ends the stream (its bytes went out)."""
+        replica = choice.replica
 
         async def chunks():
             usage = _SseUsage()
@@ -169,7 +187,7 @@ class Router:
                 await self._release(replica, choice)
                 self._count(replica, policy, choice, upstream.status_code, usage.usage)
 
-        return StreamingResponse(chunks(), upstream.status_code, headers=headers)
+        return StreamingResponse(chunks(), upstream.status_code, headers=_reply_headers(upstream, replica))
 
 
 def _reply_headers(upstream: httpx.Response, replica: Replica) -> dict[str, str]:
