@@ -26,6 +26,14 @@ class Turn:
     ttft_s: float
     itl_s: list[float]
     token_ids: list[int]
+    start_s: float = 0.0  # submitted, in seconds since the system's run began (`SystemResult.t0`)
+
+    def token_times_s(self) -> list[float]:
+        """When each token arrived, in seconds since the run began."""
+        times = [self.start_s + self.ttft_s]
+        for gap in self.itl_s:
+            times.append(times[-1] + gap)
+        return times
 
 
 @dataclass(slots=True)
@@ -42,6 +50,7 @@ class SystemResult:
     transfer_s: float = 0.0         # the transfer worker's time in tier loads and stores
     computed_tokens: int = 0        # tokens through the forward (recomputation included)
     moved_bytes: int = 0            # KV loaded from the tiers onto the device
+    t0: float = field(default_factory=time.perf_counter)  # the run's start: turns' `start_s` count from it
 
     def fail(self, exc: BaseException) -> None:
         """Count a failed request; keep the first error's text."""
@@ -63,7 +72,19 @@ class SystemResult:
                 "cached_tokens_by_tier": dict(self.prefix_hit_tokens_by_tier),
                 "preemptions": self.num_preemptions, "step_tier_io_s": self.step_tier_io_s,
                 "transfer_s": self.transfer_s, "computed_tokens": self.computed_tokens,
-                "moved_bytes": self.moved_bytes, "same_text_as_generate": same, "first_error": self.first_error}
+                "moved_bytes": self.moved_bytes, "same_text_as_generate": same, "first_error": self.first_error,
+                "timeline": self.timeline()}
+
+    def timeline(self) -> list[dict]:
+        """Per request, in submission order: submitted, first token and last token (seconds since the
+        run began), and the gaps between tokens (a stall shows as a long one)."""
+        out = []
+        for (user, turn), t in sorted(self.turns.items(), key=lambda kv: kv[1].start_s):
+            times = t.token_times_s()
+            out.append({"user": user, "turn": turn, "start_s": round(t.start_s, 4),
+                        "first_token_s": round(times[0], 4), "end_s": round(times[-1], 4),
+                        "itl_s": [round(gap, 4) for gap in t.itl_s]})
+        return out
 
 
 class TurnClock:
@@ -83,8 +104,9 @@ class TurnClock:
             self.itl.append(now - self.last)
         self.last = now
 
-    def turn(self, token_ids: list[int]) -> Turn:
-        return Turn(self.ttft or 0.0, self.itl, token_ids)
+    def turn(self, token_ids: list[int], t0: float | None = None) -> Turn:
+        """The finished turn; `t0`: the run's start, so the turn knows when it was submitted."""
+        return Turn(self.ttft or 0.0, self.itl, token_ids, 0.0 if t0 is None else self.start - t0)
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -210,6 +232,44 @@ def plot(rows: list[dict], path, title: str) -> None:
         ax2.text(i, r["tokens_per_s"], note, ha="center", va="bottom", fontsize=8)
     for ax in (ax1, ax2):
         ax.set_xticks(x, names, rotation=15, fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(rows: list[dict], path, title: str) -> None:
+    """Per system, one line per request in submission order: waiting for its first token (queue, load,
+    prefill: light), then decoding (dark), with a red tick at each gap longer than twice the system's
+    median gap (a step that stalled: a load, a long prefill beside it, a preemption)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("timeline")]
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(rows), 1, figsize=(12, 1.2 + 0.12 * max(len(r["timeline"]) for r in rows) * len(rows)),
+                             sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        gaps = sorted(g for req in r["timeline"] for g in req["itl_s"])
+        stall_s = 2 * gaps[len(gaps) // 2] if gaps else float("inf")
+        for y, req in enumerate(r["timeline"]):
+            ax.barh(y, req["first_token_s"] - req["start_s"], left=req["start_s"], color="#cfd8e3", height=0.8)
+            ax.barh(y, req["end_s"] - req["first_token_s"], left=req["first_token_s"], color="#2a6f97", height=0.8)
+            t = req["first_token_s"]
+            for gap in req["itl_s"]:
+                t += gap
+                if gap > stall_s:
+                    ax.plot([t, t], [y - 0.4, y + 0.4], color="#d62828", linewidth=1)
+        ax.set_ylabel(r["system"], rotation=0, ha="right", fontsize=8)
+        ax.set_yticks([])
+        ax.invert_yaxis()
+        ax.text(1.0, 0.02, f"wall {r['wall_s']:.0f} s, TTFT p50 {r['ttft_p50_s']:.1f} s, ITL p50 "
+                f"{r['itl_p50_s'] * 1000:.0f} ms", transform=ax.transAxes, ha="right", fontsize=7)
+    axes[-1, 0].set_xlabel("seconds since the system's run began (light: waiting for the first token; dark: "
+                           "decoding; red: a gap > 2x the median)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

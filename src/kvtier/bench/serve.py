@@ -92,7 +92,7 @@ async def _request(async_engine, result: SystemResult, key, ids: list[int], samp
     except Exception as exc:  # noqa: BLE001 — counted, the others go on
         result.fail(exc)
         return None
-    result.turns[key] = clock.turn(tokens)
+    result.turns[key] = clock.turn(tokens, result.t0)
     return tokens
 
 
@@ -179,7 +179,8 @@ def run_generate(loaded, convs, w: Workload) -> SystemResult:
                                             do_sample=False, streamer=streamer)
             tokens = out[0, len(ids):].tolist()
             times = streamer.times
-            result.turns[(u, turn)] = Turn(times[0] - start, [b - a for a, b in zip(times, times[1:])], tokens)
+            result.turns[(u, turn)] = Turn(times[0] - start, [b - a for a, b in zip(times, times[1:])], tokens,
+                                           start - result.t0)
             replies.append(loaded.tokenizer.decode(tokens, skip_special_tokens=True))
 
     threads = [threading.Thread(target=user, args=(u, p, m)) for u, (p, m) in enumerate(convs)]
@@ -208,7 +209,7 @@ def run_generate_trace(loaded, reqs: list[TraceRequest]) -> SystemResult:
                                         min_new_tokens=r.max_tokens, do_sample=False, streamer=streamer)
         times = streamer.times
         result.turns[(i, 0)] = Turn(times[0] - arrived, [b - a for a, b in zip(times, times[1:])],
-                                    out[0, len(r.token_ids):].tolist())
+                                    out[0, len(r.token_ids):].tolist(), arrived - result.t0)
     result.wall_s = time.perf_counter() - t0
     return result
 

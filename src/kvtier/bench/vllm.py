@@ -64,7 +64,7 @@ async def _stream(client, result: SystemResult, key, ids: list[int], max_tokens:
     except Exception as exc:  # noqa: BLE001 - counted; the other users go on
         result.fail(exc)
         return None
-    result.turns[key] = clock.turn(tokens)
+    result.turns[key] = clock.turn(tokens, result.t0)
     return "".join(text)
 
 
@@ -301,11 +301,13 @@ def add_command(bench) -> None:
              trace_start: int = typer.Option(0, min=0), time_scale: float = typer.Option(1.0),
              json_out: bool = typer.Option(False, "--json"),
              plot_path: str = typer.Option(None, "--plot", help="write a PNG of TTFT and tokens/s per system"),
+             timeline_path: str = typer.Option(None, "--timeline", help="write a PNG of each request's timeline "
+                                                                          "per system (the JSON has them too)"),
              log_dir: str = typer.Option(None, help="where servers' logs and SSD files go (default: temp)"),
              load: str = typer.Option("layerwise", help="kvtier's load mode: layerwise (in the request's first "
                                                         "forward, layer by layer) or async (before it runs)")) -> None:
         """vLLM alone vs vLLM + kvtier (DRAM, SSD, pool) vs vLLM + ExampleConnector or LMCache vs kvtier serve."""
-        from kvtier.bench.harness import plot, print_rows
+        from kvtier.bench.harness import plot, plot_timeline, print_rows
         from kvtier.errors import UserError
         from kvtier.integrations.vllm.config import LOAD_MODES
 
@@ -322,4 +324,6 @@ def add_command(bench) -> None:
         if plot_path:
             plot(rows, plot_path, f"kvtier bench vllm --workload {workload} (SmolLM2 fp32, {device_kv_tokens} "
                                   "device KV tokens, this machine)")
+        if timeline_path:
+            plot_timeline(rows, timeline_path, f"kvtier bench vllm --workload {workload}: each request's timeline")
         print_rows(rows, json_out, render)
