@@ -1,4 +1,4 @@
-"""Where the connector's threads run in vLLM's CPU worker: off the core of the forward's main thread.
+"""Where the connector's threads run in vLLM's CPU worker: not bound to the core of the forward's main thread.
 
 vLLM's CPU worker binds its OpenMP threads one per core (`VLLM_CPU_OMP_THREADS_BIND=auto`): the main
 thread, which runs the forward's Python and is the OpenMP master, to the first core, the other OpenMP
@@ -11,7 +11,10 @@ barrier. (LMCache's cache server is a process of its own that the kernel places 
 So the connector starts its threads on `transfer_cpus`: the cores vLLM reserved beside the forward
 (those no OpenMP thread is bound to; vLLM's NIXL connector moves its own transfers there too) or, where
 the forward holds every core (vLLM reserves none when the machine has no more cores than it wants to
-reserve), every core but the master's. Threads they start inherit it.
+reserve), any core: the kernel then runs them where the forward leaves room (the master's core while
+the master waits for a layerwise load, say). Pinning them to the cores beside the master instead was
+measured slower (docs/BENCHMARKS.md): a layerwise load then shared a core with a spinning OpenMP
+thread while the master's core sat idle. Threads they start inherit the placement.
 
 One more trap: with `OMP_PROC_BIND=true`, a thread's first torch op that opens an OpenMP parallel
 region binds that thread to the first place (the master's core) and starts a team beside it. The
@@ -33,13 +36,10 @@ from pathlib import Path
 log = logging.getLogger("vllm.kvtier")
 
 
-def transfer_cpus(allowed: set[int], main: set[int], forward: set[int]) -> set[int]:
-    """The CPUs for the connector's threads. `allowed`: the CPUs the process may use; `main`: the
-    forward's main thread's; `forward`: every CPU an OpenMP thread of the forward is bound to."""
-    for cpus in (allowed - forward, allowed - main):
-        if cpus:
-            return cpus
-    return set(allowed)
+def transfer_cpus(allowed: set[int], forward: set[int]) -> set[int]:
+    """The CPUs for the connector's threads. `allowed`: the CPUs the process may use; `forward`: every
+    CPU an OpenMP thread of the forward is bound to."""
+    return (allowed - forward) or set(allowed)
 
 
 def _allowed_cpus() -> set[int]:
@@ -84,7 +84,7 @@ def current_transfer_cpus() -> set[int] | None:
         return None  # the calling thread is not bound: its threads may run anywhere already
     bound = (cpus for cpus in _thread_cpus() if len(cpus) == 1)  # OpenMP threads: one core each
     forward = main.union(omp_env_cpus(dict(os.environ)), *bound)
-    return transfer_cpus(allowed, main, forward)
+    return transfer_cpus(allowed, forward)
 
 
 @contextmanager
