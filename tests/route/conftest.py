@@ -30,6 +30,7 @@ class StubReplica:
     failing: bool = False
     cached_tokens: int = 0
     gate: threading.Event | None = None
+    hold_first: dict | None = None  # shared by stubs: the first request any of them gets waits for its "event"
     bodies: list[bytes] = field(default_factory=list)
 
     def sse_chunks(self) -> list[bytes]:
@@ -43,6 +44,10 @@ class StubReplica:
         async def generate(request: Request):
             raw = await request.body()
             self.bodies.append(raw)
+            if self.hold_first is not None and not self.hold_first.setdefault("taken", False):
+                self.hold_first["taken"] = True
+                while not self.hold_first["event"].is_set():
+                    await asyncio.sleep(0.01)
             if self.failing:
                 return JSONResponse({"error": {"message": "engine dead"}}, status_code=500)
             try:

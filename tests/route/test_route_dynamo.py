@@ -1,11 +1,12 @@
 """`kvtier route --policy dynamo` against the real NVIDIA Dynamo selection service (`.venv-dynamo`, in a network
 namespace of its own where root allows) and stub replicas: the router speaks its 1.6.1 API (register,
-select, book, prefill done, free) and the load it books steers the next request."""
+select, book, prefill done, free) and the prefill it books steers the next requests."""
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import StubReplica, router_over, running  # noqa: E402
 
+from kvtier.route.app import REPLICA_HEADER  # noqa: E402
 from kvtier.server.tokenizer import ByteTokenizer  # noqa: E402
 from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
 from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
@@ -28,23 +30,25 @@ pytestmark = [
 PROMPT = {"model": "smollm2", "prompt": "the same prompt, long enough for two blocks", "max_tokens": 4}
 
 
-def test_the_real_selector_books_each_request_s_load_and_frees_it(tmp_path, caplog):
-    gate = threading.Event()
-    stubs = [StubReplica("a", gate=gate), StubReplica("b", gate=gate)]
+def test_the_real_selector_books_each_request_s_load_and_frees_it(tmp_path):
+    hold = {"event": threading.Event()}
+    stubs = [StubReplica("a", hold_first=hold), StubReplica("b", hold_first=hold)]
     with DynamoSelectService(tmp_path / "select.log") as selector, running(*stubs) as urls, \
             router_over(urls, "dynamo", tokenizer=ByteTokenizer(), selector_url=selector.url,
                         kv_events=[f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"]) as (url, router):
         workers = httpx.get(selector.url + "/workers").json()
         assert sorted(w["worker_id"] for w in workers) == [1, 2]
-        with httpx.stream("POST", url + "/v1/completions", json={**PROMPT, "stream": True}, timeout=10) as held:
-            chunks = held.iter_raw()
-            first = next(chunks)
-            # nothing cached anywhere: the booked load on the first replica sends the same prompt elsewhere
-            busy = "a" if b'"replica": "a"' in first else "b"
+        held = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", json=PROMPT, timeout=30))
+        held.start()
+        while not any(r.num_in_flight for r in router.replicas.replicas):
+            time.sleep(0.01)
+        busy = next(r for r in router.replicas.replicas if r.num_in_flight)
+        # nothing cached anywhere: the prefill booked on the first replica sends the same prompt elsewhere
+        for _ in range(3):
             reply = httpx.post(url + "/v1/completions", json=PROMPT, timeout=10)
-            assert reply.status_code == 200 and reply.json()["replica"] != busy
-            gate.set()
-            assert b"[DONE]" in b"".join(chunks)
+            assert reply.status_code == 200 and reply.headers[REPLICA_HEADER] != busy.name
+        hold["event"].set()
+        held.join()
         assert not router.selector_down
         metrics = httpx.get(url + "/metrics").text
     assert 'kvtier_route_requests_total{code="200",policy="dynamo"' in metrics
