@@ -17,18 +17,14 @@ Only full-attention layers offload: a sliding-window layer keeps its (bounded) w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING
-
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, PAGE_SUMMARY_VECTORS, sparse_page_tokens
 from kvtier.errors import UserError
 from kvtier.plan.catalog_links import LINKS
+from kvtier.plan.result import OffloadMode, OffloadPlan, PlanResult
 from kvtier.plan.specs import GPUSpec, ModelSpec
-
-if TYPE_CHECKING:
-    from kvtier.plan.sizing import PlanResult
 
 SINK_TOKENS = 4            # StreamingLLM's attention sinks (as levers.eviction): they take the first block
 RECENT_TOKENS = 768        # with 256-token blocks: 1 sink + 3 recent blocks = 1,024 tokens on the device
@@ -78,46 +74,6 @@ def parse_fraction(text: str) -> float:
         return float(Fraction(text.strip()))
     except (ValueError, ZeroDivisionError):
         raise UserError(f"cannot parse fraction {text!r} (expected e.g. 1/8 or 0.125)") from None
-
-
-@dataclass(slots=True)
-class OffloadMode:
-    """One mode's costs. Bytes per GPU (one TP rank, all requests of the replica); tokens/s per request."""
-
-    name: str
-    fetched_tokens_per_request: int   # per layer and KV head, per decode step
-    fetch_unit_tokens: int            # ... in units of this many tokens (exact: blocks; sparse: pages)
-    link_bytes_per_step: float        # what crosses the link at each decode step
-    summary_bytes_per_gpu: float      # key min/max/mean per page kept on the device (sparse only)
-    fetch_area_bytes_per_gpu: float
-    device_bytes_per_gpu: float       # weights + window KV + fetch area + summaries + activations + overhead
-    fits_device: bool
-    hbm_bytes_per_step: float         # weights, window KV, summaries; fetched KV twice (written, then read)
-    hbm_tokens_per_s: float           # per request, HBM bound alone
-    tokens_per_s_by_link: dict = field(default_factory=dict)  # link -> per request, min(link, HBM) bound
-
-
-@dataclass(slots=True)
-class OffloadPlan:
-    block_tokens: int
-    page_tokens: int                       # sparse's unit
-    window_blocks: int
-    device_tokens_per_request: int
-    off_device_tokens_per_request: int     # whole blocks
-    off_device_blocks_per_request: int
-    sparse_fraction: float
-    host_bytes_per_request: float          # all TP ranks
-    host_bytes_total: float                # all requests, all TP ranks
-    window_bytes_per_gpu: float            # the windows' KV, all requests of the replica, one rank
-    host_kv_capacity_bytes: float          # HOST_KV_FRACTION of the replica's nodes' DRAM
-    fits_host: bool
-    exact: OffloadMode
-    sparse: OffloadMode
-    link_bytes_s: dict                     # link -> bytes/s per GPU
-    all_on_device_gpus: int                # the existing sizing's cluster
-    gpus_to_buy: int                       # beyond this replica's tp GPUs
-    all_on_device_tokens_per_s: float      # per request, HBM bound, requests spread over those GPUs
-    notes: list
 
 
 def _full_layers(model: ModelSpec) -> ModelSpec:

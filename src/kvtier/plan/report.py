@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from kvtier.plan.catalog_links import LINKS
-from kvtier.plan.offload import OffloadMode, OffloadPlan
-from kvtier.plan.sizing import PlanResult
+from kvtier.plan.result import OffloadMode, OffloadPlan, PlanResult
 from kvtier.units import fmt_bytes
 
 

@@ -12,13 +12,13 @@ Estimates (stated in every report):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 from kvtier.errors import UserError
 from kvtier.plan.catalog_gpus import gpu_spec
 from kvtier.plan.catalog_links import LINKS
 from kvtier.plan.catalog_models import model_spec
-from kvtier.plan.offload import OffloadOptions, OffloadPlan, plan_offload
+from kvtier.plan.offload import OffloadOptions, plan_offload
+from kvtier.plan.result import PlanResult
 from kvtier.plan.specs import GPUSpec, ModelSpec, kv_dtype_note
 
 ESTIMATES = {
@@ -40,50 +40,6 @@ NVME_SEQ = 7e9            # local NVMe SSD, sequential read
 POWER_FACTORS = (2.5, 3.0)  # facility watts per GPU TDP watt (host, network, cooling)
 HOST_MEM_BYTES_PER_NODE = 2 * 2**40  # a typical 8-GPU node's DRAM (2 TiB)
 HOST_KV_FRACTION = 0.8               # of host DRAM given to KV (the rest: OS, pinned buffers, the server)
-
-
-@dataclass(slots=True)
-class PlanResult:
-    model: str
-    gpu: str
-    context: int
-    concurrency: int
-    kv_dtype: str
-    weight_dtype: str
-    tp: int
-    gpu_mem_bytes: int
-    usable_bytes: float
-    kv_bytes_per_token: float      # one GPU rank; with sliding layers, the average at `context`
-    kv_bytes_per_request: float    # all TP ranks (replicated heads / MLA latents counted on each)
-    kv_bytes_total: float          # all sequences, all TP ranks
-    kv_bytes_per_gpu: float
-    weights_bytes: float           # all parameters
-    weights_bytes_per_gpu: float
-    activations_bytes: float
-    overhead_bytes: float
-    needed_bytes_per_gpu: float
-    fits: bool
-    max_concurrency: int
-    max_context: int
-    spill_bytes: float             # KV that does not fit in the replica's HBM
-    kv_capacity_bytes_per_gpu: float
-    restore_bandwidth_bytes_s: float  # to bring one request's prefix back within ttft_target_s
-    ttft_target_s: float
-    restore_s_by_tier: dict
-    tier_plan: dict
-    decode_tokens_per_s: float     # memory-bandwidth bound, all sequences of the replica together
-    cluster_tp: int                # tp of the cluster's replicas: tp, or the smallest above it that holds a request
-    replicas: int                  # 0 only when no TP size holds one request's KV (then gpus and nodes are 0 too)
-    gpus: int
-    nodes: int
-    facility_watts: tuple
-    notes: list
-    estimates: dict                # how activations, overhead and the decode bound are estimated
-    tp_chosen: bool = False        # tp was not given: the smallest that holds the weights and one request's KV
-    offload: OffloadPlan | None = None  # when the KV does not fit: serving it with cold blocks off the device
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _activations(model: ModelSpec, concurrency: int, tp: int) -> float:
