@@ -37,7 +37,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.codecs import Codec
 from kvtier.integrations.vllm.cpus import run_torch_here
-from kvtier.integrations.vllm.cuda_mover import DeviceCopies
+from kvtier.integrations.vllm.device_copies import DeviceCopies
 from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.tiers.manager import TierManager
