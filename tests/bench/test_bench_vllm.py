@@ -40,7 +40,7 @@ def test_cached_tokens_are_the_run_s_metric_deltas_by_tier():
 
 def test_vllm_lmcache_is_skipped_with_a_message_without_its_environment(monkeypatch, tmp_path, capsys):
     from kvtier.bench import vllm as bench_vllm
-    from kvtier.testing import vllm as launch
+    from kvtier.bench import servers as launch
 
     monkeypatch.setattr(launch, "LMCACHE_PYTHON", tmp_path / "missing" / "python")
     assert bench_vllm.run(systems=("vllm-lmcache",)) == []
@@ -48,7 +48,7 @@ def test_vllm_lmcache_is_skipped_with_a_message_without_its_environment(monkeypa
 
 
 def test_lmcache_server_offers_the_cpu_transfer_and_vllm_connects_to_its_port(tmp_path):
-    from kvtier.testing.vllm import LmcacheServer
+    from kvtier.bench.servers import LmcacheServer
 
     server = LmcacheServer(tmp_path / "lmcache.log")
     argv = " ".join(server.argv)

@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from kvtier.integrations.vllm.proxy import ProxyThread, prefill_body
-from kvtier.testing.services import free_port
+from kvtier.ports import free_port
 
 
 class StandIn:

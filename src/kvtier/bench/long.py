@@ -441,7 +441,7 @@ def run_vllm(loaded, setup: LongSetup, scenario: str, prompts: list[LongPrompt],
     expected to refuse at start; its message, verbatim. Should it start, the prompts are sent."""
     from kvtier import models
     from kvtier.evals.passkey import is_correct
-    from kvtier.testing.vllm import BLOCK_TOKENS, VllmServer
+    from kvtier.bench.servers import BLOCK_TOKENS, VllmServer
 
     # The budget is set in blocks: on the CPU platform VLLM_CPU_KVCACHE_SPACE (GiB, which the launcher
     # sets) overrides --kv-cache-memory-bytes (vllm/platforms/cpu.py); the blocks override applies after.
@@ -488,7 +488,7 @@ def run(setup: LongSetup, *, progress: Callable[[str, int, int], None] = lambda 
         log: Callable[[str], None] = print, save: Path | None = None, log_dir: Path | None = None) -> list[LongRow]:
     from kvtier import models
     from kvtier.data import SHAKESPEARE, shared_data_file
-    from kvtier.testing.vllm import VLLM_PYTHON
+    from kvtier.bench.servers import VLLM_PYTHON
 
     loaded = models.load(setup.model, device="cpu")
     tokenizer = loaded.tokenizer

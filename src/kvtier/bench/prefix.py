@@ -255,7 +255,7 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
         progress=print, model: str = "smollm2") -> list[PrefixRow]:
     """The whole benchmark on SmolLM2 (or `model`) and tinyshakespeare; one row per tier plus recompute."""
     from kvtier import models
-    from kvtier.testing import services
+    from kvtier.bench import pools
     from kvtier.codecs import get_codec
     from kvtier.data import SHAKESPEARE, shared_data_file
     from kvtier.tiers.manager import build_manager
@@ -271,15 +271,15 @@ def run(prefix_tokens: int = 4096, tiers: tuple[str, ...] = ("dram", "ssd", *POO
     token, *recompute = measure_recompute(loaded, ids, repeats)
     rows = [PrefixRow("recompute", prefix_tokens, 0, recompute[0], 1.0, ttft_best_s=recompute[1], speedup_best=1.0)]
     slot = get_codec("raw").max_encoded_bytes(loaded.kv_layout(block_tokens))
-    started: list[services.Service] = []
+    started: list[pools.Service] = []
     with tempfile.TemporaryDirectory(dir=ssd_dir) as tmp:
         tmp = Path(tmp)
         try:
             for tier in tiers:
                 if tier in POOL_TIERS and tier not in pool_urls:
                     progress(f"starting a local {tier} service on 127.0.0.1")
-                    service = services.MooncakePool(tmp, segment="2GB", buffer="512MiB") if tier == "mooncake" \
-                        else services.RedisServer(tmp, maxmemory="2gb")
+                    service = pools.MooncakePool(tmp, segment="2GB", buffer="512MiB") if tier == "mooncake" \
+                        else pools.RedisServer(tmp, maxmemory="2gb")
                     service.start()
                     started.append(service)
                     pool_urls[tier] = service.spec

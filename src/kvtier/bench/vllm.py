@@ -150,9 +150,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
-    from kvtier.testing.services import MooncakePool
-    from kvtier.testing.vllm import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
-                                     kvtier_transfer_config)
+    from kvtier.bench.pools import MooncakePool
+    from kvtier.bench.servers import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
+                                      kvtier_transfer_config)
 
     python = VLLM_PYTHON
     if name == "vllm":
@@ -195,7 +195,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
-    from kvtier.testing.vllm import BLOCK_TOKENS, LMCACHE_PYTHON
+    from kvtier.bench.servers import BLOCK_TOKENS, LMCACHE_PYTHON
 
     if "vllm-lmcache" in systems and not LMCACHE_PYTHON.exists():
         print(f"vllm-lmcache skipped: {LMCACHE_PYTHON} not found (`make lmcache` creates it, "

@@ -1,2 +1,3 @@
-"""Process launchers for the tests and the benchmarks, not used by the product: local pool services
-(`services`: a Mooncake pool, redis-server) and real vLLM / LMCache servers (`vllm`), on 127.0.0.1."""
+"""Test-only helpers (app threads, Dynamo stand-ins, a KV event tap), not shipped in the wheel and never imported
+by the product. `services` and `vllm` re-export the launchers the product owns (`kvtier.bench.pools`,
+`kvtier.bench.servers`, `kvtier.ports`) under the names the tests use."""

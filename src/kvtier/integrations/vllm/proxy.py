@@ -109,12 +109,13 @@ class _Close:
 
 
 class ProxyThread:
-    """The proxy on a free 127.0.0.1 port, served by a thread of this process (tests, `kvtier bench vllm`)."""
+    """The proxy on a free 127.0.0.1 port, served by a thread of this process: product code, used by
+    `kvtier bench vllm`'s disaggregated system (`bench.servers.DisaggSystem`) and the tests."""
 
     def __init__(self, prefill_url: str, decode_url: str) -> None:
         import uvicorn
 
-        from kvtier.testing.services import free_port
+        from kvtier.ports import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
