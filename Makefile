@@ -61,7 +61,7 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm: $(VLLM_STAMP)
 
-# LMCache next to vLLM's CPU build, for `kvtier bench vllm --systems vllm-lmcache` (docs/BENCHMARKS.md),
+# LMCache next to vLLM's CPU build, for `kvtier bench vllm --systems vllm-lmcache` (docs/benchmarks/vllm.md),
 # in an environment of its own: lmcache 0.5.6 pins numpy <=2.2.6, protobuf <7, grpcio 1.78 and
 # OpenTelemetry <=1.40, below what .venv-vllm has. Its CUDA extension (lmcache.cuda_ops) does not load
 # with CPU torch and is not used: the multi-process connector's CPU path is Python. Not part of `make test`.

@@ -1,4 +1,4 @@
-"""Is a pool restore's verify + copy cheaper in one pass? (issue 21; docs/BENCHMARKS.md, "Where a local Mooncake
+"""Is a pool restore's verify + copy cheaper in one pass? (issue 21; docs/benchmarks/pools.md, "Where a local Mooncake
 restore's time goes".)
 
 16 blocks of SmolLM2's layout (30 layers x 393,216 B: 189 MB), one thread, best of 9 interleaved rounds: xxh3 of

@@ -1,4 +1,4 @@
-"""Would restoring a DRAM hit layer by layer, overlapping the forward, shorten it here? (issue 21; docs/BENCHMARKS.md,
+"""Would restoring a DRAM hit layer by layer, overlapping the forward, shorten it here? (issue 21; docs/benchmarks/pools.md,
 "Where a local Mooncake restore's time goes", the DRAM-hit TTFT bullet.)
 
 SmolLM2 with a 4k-token cache: times, best and median of 9 interleaved rounds, the 1-token forward alone, a copy

@@ -1,4 +1,4 @@
-"""Does reusing an offloaded prefix from the SSD stall the requests already running? (issue 21; docs/BENCHMARKS.md,
+"""Does reusing an offloaded prefix from the SSD stall the requests already running? (issue 21; docs/benchmarks/long-context.md,
 "An offloaded prefix from the SSD, loaded off the step thread").
 
 SmolLM2, a 1,024-token device budget with exact offload, DRAM + SSD tiers. The first run of a directory

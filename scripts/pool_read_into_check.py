@@ -1,5 +1,5 @@
 """Would a Mooncake restore gain from the store writing each block straight into the engine's arena?
-(issue 21; docs/BENCHMARKS.md, "Reading a pool block straight into the arena: no gain here").
+(issue 21; docs/benchmarks/pools.md, "Reading a pool block straight into the arena: built, measured, left off main").
 
 SmolLM2's 4k-token prefix (16 blocks of 256 tokens) in a local Mooncake pool (started on 127.0.0.1, as
 `kvtier bench prefix` does), then, interleaved over rounds (best, median, and this process's mean CPU):

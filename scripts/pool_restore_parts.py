@@ -1,4 +1,4 @@
-"""Where a pool restore's time goes (issue 21; docs/BENCHMARKS.md, "Where a local Mooncake restore's time goes").
+"""Where a pool restore's time goes (issue 21; docs/benchmarks/pools.md, "Where a local Mooncake restore's time goes").
 
 SmolLM2's 4k-token prefix (16 blocks of 256 tokens) stored in a local Mooncake pool (started on 127.0.0.1, as
 `kvtier bench prefix` does), then, interleaved over rounds (best and median of each): the lookup

@@ -1,4 +1,4 @@
-"""Which page selection should sparse offload use? (issue 18; docs/BENCHMARKS.md, "Scoring pages").
+"""Which page selection should sparse offload use? (issue 18; docs/benchmarks/quality.md, "Scoring pages").
 
 `kvtier eval`'s perplexity protocol (3 windows of tinyshakespeare, the last 128 tokens of each scored one per
 decode step; the engine's layout: 256-token blocks, 1 sink block, 2 recent) with the selection swapped per

@@ -26,9 +26,10 @@ TierWrites = Literal["full", "evict"]       # blocks go to the tiers when comput
 
 
 OffloadKind = Literal["exact", "sparse"]
-DEFAULT_OFFLOAD_PAGE_TOKENS = 32  # sparse offload's page (at most a block): docs/BENCHMARKS.md, issue 18
+DEFAULT_OFFLOAD_PAGE_TOKENS = 32  # sparse offload's page (at most a block): docs/benchmarks/quality.md, issue 18
 # sparse offload's summary of a page, per layer and KV head: its keys' per-channel min, max (Quest) and mean,
-# head_dim values each (`engine.offload.page_summary`; the mean since the 3-window measurement, BENCHMARKS.md)
+# head_dim values each (`engine.offload.page_summary`; the mean since the 3-window measurement,
+# docs/benchmarks/quality.md)
 PAGE_SUMMARY_VECTORS = 3
 
 

@@ -1,5 +1,5 @@
 """`kvtier bench vllm` without starting vLLM: refused inputs, and the cached-token accounting from
-two /metrics scrapes (the runs themselves are in docs/BENCHMARKS.md; the connector's behaviour under
+two /metrics scrapes (the runs themselves are in docs/benchmarks/vllm.md; the connector's behaviour under
 real vLLM is tested in tests/integrations/test_vllm.py)."""
 
 from __future__ import annotations

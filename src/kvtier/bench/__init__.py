@@ -1,1 +1,1 @@
-"""Benchmarks behind docs/BENCHMARKS.md (`kvtier bench ...`)."""
+"""Benchmarks behind docs/BENCHMARKS.md (`kvtier bench ...`; every run, by topic: docs/benchmarks/)."""

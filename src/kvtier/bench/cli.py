@@ -9,7 +9,8 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    bench = typer.Typer(help="benchmarks; figures land in docs/BENCHMARKS.md", no_args_is_help=True)
+    bench = typer.Typer(help="benchmarks; runs land in docs/benchmarks/<topic>.md, the latest figures in "
+                             "docs/BENCHMARKS.md", no_args_is_help=True)
     app.add_typer(bench, name="bench")
 
     @bench.command("prefix")

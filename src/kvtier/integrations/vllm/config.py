@@ -32,7 +32,7 @@ class ConnectorConfig:
     max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
     # "layerwise": the load runs with the request's first forward, each layer waited for just before use;
     # "async": a request waits (WAITING_FOR_REMOTE_KVS) until its whole load landed, the engine steps on.
-    # Layerwise is the default: it measured the better TTFT in `kvtier bench vllm` (docs/BENCHMARKS.md).
+    # Layerwise is the default: it measured the better TTFT in `kvtier bench vllm` (docs/benchmarks/vllm.md).
     load: str = "layerwise"
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ So the connector starts its threads on `transfer_cpus`: the cores vLLM reserved 
 the forward holds every core (vLLM reserves none when the machine has no more cores than it wants to
 reserve), any core: the kernel then runs them where the forward leaves room (the master's core while
 the master waits for a layerwise load, say). Pinning them to the cores beside the master instead was
-measured slower (docs/BENCHMARKS.md): a layerwise load then shared a core with a spinning OpenMP
+measured slower (docs/benchmarks/vllm.md): a layerwise load then shared a core with a spinning OpenMP
 thread while the master's core sat idle. Threads they start inherit the placement.
 
 One more trap: with `OMP_PROC_BIND=true`, a thread's first torch op that opens an OpenMP parallel
