@@ -129,8 +129,9 @@ def render(result: PlanResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kvtier plan: {result.model} on {result.gpu} x tp{result.tp}{' (chosen)' if result.tp_chosen else ''}, {result.context:,} tokens "
-                        f"x {result.concurrency} requests, KV {result.kv_dtype}, weights {result.weight_dtype}")
+    chosen = " (chosen)" if result.tp_chosen else ""
+    table = Table(title=f"kvtier plan: {result.model} on {result.gpu} x tp{result.tp}{chosen}, {result.context:,} "
+                        f"tokens x {result.concurrency} requests, KV {result.kv_dtype}, weights {result.weight_dtype}")
     table.add_column("item")
     table.add_column("value (GiB = 2^30 B, GB = 10^9 B)")
     for row in _rows(result):
