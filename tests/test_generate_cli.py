@@ -116,7 +116,7 @@ def test_generate_passes_offload_page_tokens_to_tiered_cache(tiny_model, monkeyp
 
 def test_second_process_reports_where_its_ttft_went(tiny_model, monkeypatch, capsys, tmp_path):
     """`kvtier generate --json` twice on one SSD directory: the second finds the prompt's full blocks on the SSD,
-    and its TTFT is split into the restore (the SSD read, the promotion into DRAM) and the prefill of the rest;
+    and its TTFT is split into the restore (the SSD read, the tiers' writes) and the prefill of the rest;
     the process's first forward (the warm-up) runs before the request's clock starts."""
     import dataclasses
     import json
@@ -152,6 +152,6 @@ def test_second_process_reports_where_its_ttft_went(tiny_model, monkeypatch, cap
     assert second["text"] == first["text"] and second["warmup_s"] > 0
     b = second["ttft_breakdown"]
     assert b["restore_s"] + b["prefill_s"] == pytest.approx(second["ttft_s"], abs=1e-9)
-    assert b["tier_read_s"]["ssd"] > 0 and b["tier_read_s"]["dram"] == 0   # all 6 blocks read from the SSD ...
-    assert b["tier_write_s"]["dram"] > 0 and b["tier_write_s"]["ssd"] == 0  # ... and promoted into DRAM
+    assert b["tier_read_s"]["ssd"] > 0 and b["tier_read_s"]["dram"] == 0  # all 6 blocks read from the SSD
+    assert b["tier_write_s"]["ssd"] == 0  # (their promotion into DRAM: inside the restore, or after it on the writer)
     assert first["ttft_breakdown"]["tier_read_s"] == {"dram": 0, "ssd": 0}
