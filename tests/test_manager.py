@@ -10,7 +10,7 @@ import torch
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.codecs import get_codec
-from kvtier.tiers.manager import TierManager, build_manager
+from kvtier.tiers.manager import TierManager, build_manager, release
 from kvtier.tiers import Backoff, DiskTier, HostTier
 from kvtier.tiers.pool import KEY_PREFIX, PoolTier
 
@@ -38,6 +38,7 @@ def test_longest_prefix_across_tiers(tmp_path):
     ssd.put_many([(K[2], _block(2)), (K[4], _block(4))])
     assert m.lookup(K[:5]) == ["dram", "dram", "ssd"]
     assert m.get_prefix(K[:5]) == [_block(0), _block(1), _block(2)]
+    m.flush()
     assert dram.contains_many([K[2]]) == [True]  # promoted
     m.close()
 
@@ -162,12 +163,14 @@ def test_a_stream_verifies_each_block_as_it_is_pulled_and_settles_at_the_end(tmp
     assert rest == [(K[1], _block(1), "dram"), (K[2], _block(2), "ssd")]
     assert checked == K[:5]  # the foreign pair was checked once the prefix ended
     assert ssd.stats.corrupt == 2 and ssd.contains_many(K[3:5]) == [False, False]
-    assert dram.num_leased() == 0 and dram.contains_many([K[2]]) == [True]  # leases ended, K[2] promoted
+    m.flush()  # the promotion runs on the writer thread
+    assert dram.num_leased() == 0 and ssd.num_leased() == 0 and dram.contains_many([K[2]]) == [True]  # K[2] promoted
     # a consumer that stops early ends every lease, and what it did not take is not promoted
     dram.delete(K[2])
     stream = m.stream(m.match([K[0], K[1], K[2]]))
     assert next(stream).key == K[0]
     stream.close()
+    m.flush()
     assert dram.num_leased() == 0 and dram.contains_many([K[2]]) == [False]
     assert dram._consistent()
     m.close()
@@ -374,6 +377,7 @@ def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path
     assert reads[0] == (keys[:STREAM_CHUNK_BLOCKS], "MainThread")
     assert reads[1][0] == keys[STREAM_CHUNK_BLOCKS:] and reads[1][1].startswith("kvtier-prefetch")
     assert [bytes(b.payload) for b in stream] == blocks[1:]
+    m.flush()
     assert len(reads) == 2 and m.tiers[0].contains_many(keys) == [True] * len(keys)  # all promoted
     m.close()
 
@@ -414,6 +418,7 @@ def test_a_leased_read_over_a_pool_copies_and_leases_only_what_can_be_leased(cap
         assert [bytes(p) for p in prefix.payloads] == [_block(0), _block(1)] and prefix.tiers == ["dram", "pool"]
         assert dram.num_leased() == 1
         prefix.release()
+        m.flush()
         assert dram.delete(K[1])  # it was promoted: from the pool again
         assert [(b.tier, bytes(b.payload)) for b in m.stream(m.match(K[:2]))] == [("dram", _block(0)), ("pool", _block(1))]
     assert dram.num_leased() == 0 and pool.health.healthy
@@ -487,6 +492,35 @@ def test_a_pinned_match_keeps_its_blocks_until_the_read_ends(tmp_path):
     m.close()
 
 
+def test_the_promotion_into_dram_runs_after_the_read_and_keeps_what_it_reads_leased(tmp_path):
+    """A restore from below does not wait for DRAM (a layerwise load writes its first layer at once): the
+    promotion runs on the writer thread, and the SSD buffer it copies from stays leased until it has —
+    even when the reader let go first."""
+    m = _stack(tmp_path)
+    dram, ssd = m.tiers
+    ssd.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    gate, entered = threading.Event(), threading.Event()
+    put = dram.put_many
+
+    def slow_put(items):
+        entered.set()
+        assert gate.wait(10)
+        return put(items)
+
+    dram.put_many = slow_put
+    hold: list = []
+    blocks = [(b.key, bytes(b.payload)) for b in m.stream(m.match(K[:2]), hold=hold)]
+    assert blocks == [(K[0], _block(0)), (K[1], _block(1))]  # the whole read is back: DRAM not written yet
+    assert entered.wait(10) and dram.contains_many(K[:2]) == [False, False]
+    release(hold)  # the reader is done, the promotion is not: its buffers stay out
+    assert ssd.num_leased() == 2
+    gate.set()
+    m.flush()
+    assert ssd.num_leased() == 0 and dram.contains_many(K[:2]) == [True, True]
+    assert [bytes(p) for p in m.read(m.match(K[:2])).payloads] == [_block(0), _block(1)]
+    m.close()
+
+
 def test_a_block_gone_from_where_the_match_found_it_is_read_from_the_next_tier(tmp_path):
     m = _stack(tmp_path)
     dram, ssd = m.tiers
@@ -497,6 +531,7 @@ def test_a_block_gone_from_where_the_match_found_it_is_read_from_the_next_tier(t
     dram.delete(K[1])  # evicted between the lookup and the read
     blocks = list(m.stream(match))
     assert [(b.tier, bytes(b.payload)) for b in blocks] == [("dram", _block(0)), ("ssd", _block(1))]
+    m.flush()
     assert dram.contains_many([K[1]]) == [True]  # promoted again
     m.close()
 

@@ -135,6 +135,26 @@ def release(leases: Leases) -> None:
         _quietly(tier, "release", tier.release, keys)
 
 
+class _SharedLeases:
+    """Leases two parties read: the reader (through `hold` or at once) and the promotion of the same
+    blocks into the top tier. Stands in a `Leases` list as a tier whose `release` ends them once
+    every party has let go."""
+
+    name = "shared-leases"
+
+    def __init__(self, leases: Leases, parties: int) -> None:
+        self._leases = leases
+        self._parties = parties
+        self._lock = threading.Lock()
+
+    def release(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._parties -= 1
+            last = self._parties == 0
+        if last:
+            release(self._leases)
+
+
 def _by_tier(pairs) -> dict[int, tuple[Tier, list[bytes]]]:
     grouped: dict[int, tuple[Tier, list[bytes]]] = {}
     for tier, key in pairs:
@@ -376,22 +396,35 @@ class TierManager:
             return None
 
     def _settle(self, match: PrefixMatch, got: _Fetched, kept: int, hold: Leases | None) -> None:
-        """After a read of `kept` blocks: promote its lower-tier blocks to the top tier, end the leases
-        of the blocks past the prefix, the pins, and the prefix's own leases (or hand them to `hold`)."""
-        promote = [(match.keys[i], got.data[i]) for i in range(kept) if got.source[i] > 0]
-        if promote:
-            self._put_top(promote)
-            top = self.tiers[0]  # they came from below: an eviction needs no demotion
-            self._guarded(top, "placed_below", lambda: top.placed_below([k for k, _ in promote]), None,
-                          writing=True)
-        ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i < kept)
+        """After a read of `kept` blocks: end the leases of the blocks past the prefix and the pins;
+        promote the prefix's lower-tier blocks to the top tier on the writer thread (`flush()` waits for
+        it), off the reader's path — a layerwise load writes its first layer without waiting for DRAM;
+        end the prefix's own leases (or hand them to `hold`), those the promotion reads once it has too."""
+        promoted = [i for i in range(kept) if got.source[i] > 0]
+        ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i < kept and got.source[i] == 0)
+        read_by_promotion = _by_tier((got.leased[i], match.keys[i]) for i in promoted if i in got.leased)
         rest = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i >= kept)
         release(list(rest.values()))
         self.unpin(match)
+        shared = _SharedLeases(list(read_by_promotion.values()), parties=2 if promoted else 1)
+        if promoted:
+            items = [(match.keys[i], got.data[i]) for i in promoted]
+            if not self._writeback.run_later(lambda: self._promote(items, shared)):
+                self._promote(items, shared)
         if hold is not None:
             hold.extend(ours.values())
+            hold.append((shared, []))
         else:
             release(list(ours.values()))
+            shared.release([])
+
+    def _promote(self, items: list[tuple[bytes, bytes | memoryview]], shared: "_SharedLeases") -> None:
+        try:
+            self._put_top(items)
+            top = self.tiers[0]  # they came from below: an eviction needs no demotion
+            self._guarded(top, "placed_below", lambda: top.placed_below([k for k, _ in items]), None, writing=True)
+        finally:
+            shared.release([])
 
     def get_prefix(self, keys: list[bytes]) -> list[bytes]:
         """Verified payloads of the longest cached prefix of `keys` (`read(match(keys))`)."""

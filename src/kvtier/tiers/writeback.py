@@ -1,6 +1,7 @@
 """Write-back: the tier stack's writes below the top tier, off the compute path, on one queue.
 
-Two kinds of batches go down the same queue: write-through (every block put into the top tier, so a
+Two kinds of batches go down the same queue (and, in between, the promotions of blocks a read fetched from
+below into the top tier: `run_later`, off the reader's critical path): write-through (every block put into the top tier, so a
 second process on the same SSD or pool sees it) and demotion (a block the top tier evicted that no
 lower tier holds yet). Once write-through has placed a batch below, the top tier is told
 (`placed_below`): its later eviction returns the key alone — no bytes copied out, no lookup below.
@@ -43,12 +44,26 @@ class WriteBack:
         except queue.Full:  # never block the compute path on a slow tier
             self.num_dropped += len(items)
 
+    def run_later(self, fn) -> bool:
+        """Run `fn()` on the writer thread, after the writes queued before it; False where there is no
+        writer thread or its queue is full (the caller runs it itself)."""
+        if self._queue is None:
+            return False
+        try:
+            self._queue.put_nowait(fn)
+            return True
+        except queue.Full:
+            return False
+
     def _drain(self) -> None:
         while True:
             batch = self._queue.get()
             try:
                 if batch is None:
                     return
+                if callable(batch):
+                    batch()
+                    continue
                 self._write(*batch)
             except Exception:  # a failing tier must not kill the writer
                 log.exception("write to a lower tier failed")
