@@ -52,7 +52,7 @@ class PoolTier:
     capacity_bytes = None
     in_process = False  # the blocks crossed the network: full payload proof
     # Each batched get pays the service's round trips and, over TCP, CPU on both ends: fewer, larger gets
-    # (two of 8 for a 16-block prefix) restored 3-8% faster than gets of 4 on 2026-12-06 (docs/BENCHMARKS.md),
+    # (two of 8 for a 16-block prefix) restored 3-8% faster than gets of 4 on 2026-12-06 (docs/benchmarks/pools.md),
     # the second get still overlapping the first's verify and copies.
     stream_chunk_blocks = 8
     events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
