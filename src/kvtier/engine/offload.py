@@ -117,9 +117,10 @@ def window_positions(block_ids: list[int], block_tokens: int, end: int) -> list[
     return positions
 
 
-# a page's score: this much of Quest's bound, the rest the query against the page's mean key (docs/benchmarks/quality.md,
-# issue 18: over 3 windows at sparse:1/8, Quest's bound alone +2.44% ppl at 4k / +2.29% at 8k, the mean alone
-# +2.77 / +2.30%, half and half +1.93 / +0.91% — an oracle ranking pages by attention mass +1.51 / +0.98%)
+# a page's score: this much of Quest's bound, the rest the query against the page's mean key
+# (docs/benchmarks/quality.md, issue 18: over 3 windows at sparse:1/8, Quest's bound alone +2.44% ppl at 4k /
+# +2.29% at 8k, the mean alone +2.77 / +2.30%, half and half +1.93 / +0.91% — an oracle ranking pages by
+# attention mass +1.51 / +0.98%)
 BOUND_WEIGHT = 0.5
 
 
@@ -161,7 +162,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     log-sum-exp: (out [H, G, N, D], lse [H, G, N]). `mask` [N, M]: True where a key may be seen.
     On the CPU the fused flash kernel SDPA itself runs, which also returns the log-sum-exp: 3.5x the
     speed of the two GEMMs around a materialized softmax for a 128-token prefill chunk over a 960-token
-    piece, 1.5x for one decode token (docs/benchmarks/long-context.md, "The offloaded prefill on the CPU flash kernel")."""
+    piece, 1.5x for one decode token (docs/benchmarks/long-context.md, "The offloaded prefill on the CPU flash
+    kernel")."""
     if q.device.type == "cpu":
         return _attend_flash_cpu(q, k, v, mask, scale)
     h, g, n, d = q.shape
