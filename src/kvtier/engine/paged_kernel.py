@@ -507,7 +507,9 @@ _state: dict[str, object] = {}
 def _build() -> bool:
     from torch.utils.cpp_extension import load_inline
 
-    digest = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    # -march=native: the build is this CPU's (and this torch's), so both name it in the cache
+    cpu = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha256(f"{_SOURCE}{torch.__version__}{cpu}".encode()).hexdigest()[:12]
     try:
         load_inline(f"kvtier_paged_{digest}", cpp_sources=_SOURCE, is_python_module=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"],
