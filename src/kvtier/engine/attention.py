@@ -175,7 +175,7 @@ class PagedBackend(SDPABackend):
         loc, n = meta.query_start_loc, meta.num_seqs
         offloads = meta.offloads or [None] * n
         gathered = [i for i in range(n) if offloads[i] is not None or loc[i + 1] - loc[i] >= self.gather_min_queries]
-        paged_ids = [i for i in range(n) if i not in set(gathered)]
+        paged_ids = sorted(set(range(n)) - set(gathered))
         self._begin(meta, gathered, paged_ids if self.arena.codec != "raw" else ())
         self._paged = None
         if paged_ids:
