@@ -18,7 +18,7 @@ from kvtier.route.app import Router, create_app
 from kvtier.route.replicas import Replica, ReplicaSet
 from kvtier.route.selectors import make_selector
 from kvtier.testing.app_thread import AppThread
-from kvtier.testing.services import free_port
+from kvtier.ports import free_port
 
 
 @dataclass

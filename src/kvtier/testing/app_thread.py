@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtier.testing.services import free_port
+from kvtier.ports import free_port
 
 
 class AppThread:
