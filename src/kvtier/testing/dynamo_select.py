@@ -21,9 +21,9 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.testing.dynamo import _LO_UP_THEN_EXEC, DYNAMO_PYTHON, _can_isolate
-from kvtier.ports import free_port
 from kvtier.bench.servers import _stop_group
+from kvtier.ports import free_port
+from kvtier.testing.dynamo import _LO_UP_THEN_EXEC, DYNAMO_PYTHON, _can_isolate
 
 START_TIMEOUT_S = 60
 _CLONE_NEWNET = 0x40000000
