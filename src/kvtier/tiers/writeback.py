@@ -1,9 +1,9 @@
 """Write-back: the tier stack's writes below the top tier, off the compute path, on one queue.
 
-Two kinds of batches go down the same queue (and, in between, the promotions of blocks a read fetched from
-below into the top tier: `run_later`, off the reader's critical path): write-through (every block put into the top tier, so a
-second process on the same SSD or pool sees it) and demotion (a block the top tier evicted that no
-lower tier holds yet). Once write-through has placed a batch below, the top tier is told
+Two kinds of batches go down the same queue (and, in between, the promotions of blocks a read fetched
+from below into the top tier: `run_later`, off the reader's critical path): write-through (every block put
+into the top tier, so a second process on the same SSD or pool sees it) and demotion (a block the top tier
+evicted that no lower tier holds yet). Once write-through has placed a batch below, the top tier is told
 (`placed_below`): its later eviction returns the key alone — no bytes copied out, no lookup below.
 A full queue drops the batch (counted): the compute path never waits on a slow tier.
 """
