@@ -52,6 +52,19 @@ def _can_isolate() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("nsenter") is not None
 
 
+def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolate: bool) -> subprocess.Popen:
+    """`python -m <module> --port <port> --threads 1` from `.venv-dynamo` (the indexer, the selection
+    service), in a network namespace of its own with only its loopback where `isolate`."""
+    if not python.exists():
+        raise FileNotFoundError(f"{python} not found: `make dynamo` creates it")
+    argv = [str(python), "-m", module, "--port", str(port), "--threads", "1"]
+    if isolate:
+        argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+
+
 class DynamoIndexer:
     def __init__(self, log_path: Path, *, python: Path = DYNAMO_PYTHON, isolate: bool | None = None) -> None:
         self.port = free_port()
@@ -62,14 +75,7 @@ class DynamoIndexer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> DynamoIndexer:
-        if not self.python.exists():
-            raise FileNotFoundError(f"{self.python} not found: `make dynamo` creates it")
-        argv = [str(self.python), "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"]
-        if self.isolate:
-            argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+        self.proc = start_dynamo(self.python, "dynamo.indexer", self.port, self.log_path, isolate=self.isolate)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -14,7 +14,6 @@ import ctypes
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import httpx
 
 from kvtier.bench.servers import _stop_group
 from kvtier.ports import free_port
-from kvtier.testing.dynamo import _LO_UP_THEN_EXEC, DYNAMO_PYTHON, _can_isolate
+from kvtier.testing.dynamo import DYNAMO_PYTHON, _can_isolate, start_dynamo
 
 START_TIMEOUT_S = 60
 _CLONE_NEWNET = 0x40000000
@@ -119,14 +118,7 @@ class DynamoSelectService:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> DynamoSelectService:
-        if not self.python.exists():
-            raise FileNotFoundError(f"{self.python} not found: `make dynamo` creates it")
-        argv = [str(self.python), "-m", "dynamo.select_service", "--port", str(self.port), "--threads", "1"]
-        if self.isolate:
-            argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+        self.proc = start_dynamo(self.python, "dynamo.select_service", self.port, self.log_path, isolate=self.isolate)
         try:
             if self.isolate:
                 _wait_own_namespace(self.proc)
