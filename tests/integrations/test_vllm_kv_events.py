@@ -10,7 +10,6 @@ run in order, each on the state the previous ones left.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -25,7 +24,7 @@ from kvtier.integrations.vllm.config import model_fingerprint
 from kvtier.testing.dynamo import DYNAMO_PYTHON, DynamoIndexer, KvEventTap
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm  # noqa: E402
+from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, kv_events_args, start_vllm, wait_for  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -53,31 +52,18 @@ def replica(tmp_path_factory, smollm2):
     root = tmp_path_factory.mktemp("kvevents")
     shm_dir = Path("/dev/shm") / f"kvtier-events-{uuid.uuid4().hex[:8]}"
     endpoint, replay = f"ipc://{root}/events.sock", f"ipc://{root}/replay.sock"
-    events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
-                     "replay_endpoint": replay}
     tiers = [f"shm:{shm_dir}:{SHM_BLOCKS * BLOCK_FILE_BYTES + BLOCK_FILE_BYTES // 2}",
              f"ssd:{root / 'ssd'}:{SSD_BLOCKS * BLOCK_FILE_BYTES + BLOCK_FILE_BYTES // 2}"]
     try:
         with (DynamoIndexer(root / "indexer.log") as indexer,
               KvEventTap(endpoint, root / "events.jsonl", python=VLLM_PYTHON) as tap,
               start_vllm(root / "vllm.log", tiers, num_device_blocks=DEVICE_BLOCKS,
-                         extra_args=("--kv-events-config", json.dumps(events_config))) as server):
+                         extra_args=kv_events_args(endpoint, replay)) as server):
             indexer.register(WORKER_ID, endpoint, model_name=MODEL, block_size=BLOCK_TOKENS, replay_endpoint=replay)
             time.sleep(1.0)  # the subscriptions settle before the first event
             yield {"server": server, "indexer": indexer, "tap": tap, "ssd": root / "ssd", "shm": shm_dir}
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
-
-
-def _wait(fetch, ok, what: str, timeout_s: float = 60.0):
-    """`fetch()` until `ok(value)` (empty steps announce the writes as they land); the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = fetch()
-        if ok(got):
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {got}"
-        time.sleep(0.5)
 
 
 def _query(replica, token_ids: list[int]) -> dict:
@@ -134,7 +120,7 @@ def test_a_reply_s_blocks_are_indexed_on_the_device_and_in_each_tier_under_vllm_
     reply = replica["server"].complete(prompts[0], max_tokens=8)
     ids, full = reply["prompt_token_ids"], _full(reply["prompt_token_ids"])
     assert full >= 10 * BLOCK_TOKENS
-    counts = _wait(lambda: _query(replica, ids), lambda q: q.get("disk") == full and q.get("cpu") == full,
+    counts = wait_for(lambda: _query(replica, ids), lambda q: q.get("disk") == full and q.get("cpu") == full,
                    "the prompt on the device and in the tiers")
     assert (counts["gpu"], counts["cpu"], counts["disk"]) == (full, full, full)
     events = replica["tap"].events()
@@ -145,7 +131,7 @@ def test_a_reply_s_blocks_are_indexed_on_the_device_and_in_each_tier_under_vllm_
     assert _chain(events, ids, "STORAGE") == device
     stored = [e for e in events if e["type"] == "BlockStored" and e.get("medium") == "STORAGE"]
     assert all(e["block_size"] == BLOCK_TOKENS and len(e["token_ids"]) == BLOCK_TOKENS for e in stored)
-    held = _wait(lambda: _tiers_holding(replica, device), lambda t: len(t) == 3, "three tiers in the dump")
+    held = wait_for(lambda: _tiers_holding(replica, device), lambda t: len(t) == 3, "three tiers in the dump")
     assert {tier: len(hashes) for tier, hashes in held.items()} == \
         {"device": len(device), "host_pinned": len(device), "disk": len(device)}
     replica["first"] = (ids, device)
@@ -155,7 +141,7 @@ def test_blocks_the_device_evicted_still_count_at_kvtier_s_tier(replica, prompts
     ids, device = replica["first"]
     for prompt in prompts[1:4]:  # 3 x 13 device blocks of 32: the first prompt's are reused; shm keeps one prompt
         replica["server"].complete(prompt, max_tokens=8)
-    counts = _wait(lambda: _query(replica, ids), lambda q: q.get("gpu") == 0 and q.get("cpu") == 0,
+    counts = wait_for(lambda: _query(replica, ids), lambda q: q.get("gpu") == 0 and q.get("cpu") == 0,
                    "the device and shm evicting the first prompt")
     assert (counts["gpu"], counts["cpu"], counts["disk"]) == (0, 0, _full(ids))  # still on the SSD
     events = replica["tap"].events()
@@ -167,11 +153,12 @@ def test_blocks_the_device_evicted_still_count_at_kvtier_s_tier(replica, prompts
 def test_blocks_kvtier_evicted_are_gone_from_the_index(replica, prompts):
     ids, device = replica["first"]
     replica["server"].complete(prompts[4], max_tokens=8)  # a fifth prompt: the SSD lets the first one's oldest go
-    _wait(lambda: _query(replica, ids), lambda q: not q.get("disk"), "the SSD evicting the first prompt's first block")
+    wait_for(lambda: _query(replica, ids), lambda q: not q.get("disk"),
+             "the SSD evicting the first prompt's first block")
     assert device[0] in _removed(replica["tap"].events(), "STORAGE")
     assert device[0] not in set().union(*_tiers_holding(replica, device).values(), set())
     # the index's count of each tier's blocks is kvtier's: one block file each on the SSD and in shm
-    counts = _wait(lambda: _tier_counts(replica), lambda c: c == _file_counts(replica), "the index's counts")
+    counts = wait_for(lambda: _tier_counts(replica), lambda c: c == _file_counts(replica), "the index's counts")
     assert counts["disk"] > SSD_BLOCKS - 13 and counts["host_pinned"] > 0
 
 
@@ -213,10 +200,11 @@ def test_a_block_deleted_as_corrupt_is_withdrawn_then_announced_again_once_recom
     for prompt in prompts[5:7]:  # the prompt off the device and shm again: the next one loads from the SSD
         server.complete(prompt, max_tokens=8)
     server.complete(prompts[2], max_tokens=8)
-    _wait(lambda: _removed(replica["tap"].events(), "STORAGE"), lambda removed: hashes[last] in removed,
+    wait_for(lambda: _removed(replica["tap"].events(), "STORAGE"), lambda removed: hashes[last] in removed,
           "the corrupt block's BlockRemoved")
     # recomputed by vLLM and saved again: announced again, the whole prompt back on the SSD in the index
-    _wait(lambda: _query(replica, ids), lambda q: q.get("disk") == _full(ids), "the recomputed block announced again")
+    wait_for(lambda: _query(replica, ids), lambda q: q.get("disk") == _full(ids),
+             "the recomputed block announced again")
     stored_after = [e for e in replica["tap"].events() if e["type"] == "BlockStored" and e.get("medium") == "STORAGE"
                     and hashes[last] in e["block_hashes"]]
     assert len(stored_after) == 2  # first written, then written again after its removal
@@ -229,7 +217,7 @@ def test_two_tenants_blocks_are_apart_in_the_events_and_the_index(replica, promp
     ids = a["prompt_token_ids"]
     assert b["prompt_token_ids"] == ids
     salts = ("tenant-a", "tenant-b")
-    chain_a, chain_b = _wait(lambda: [_chain(replica["tap"].events(), ids, "STORAGE", salt) for salt in salts],
+    chain_a, chain_b = wait_for(lambda: [_chain(replica["tap"].events(), ids, "STORAGE", salt) for salt in salts],
                              lambda chains: all(len(c) == len(ids) // BLOCK_TOKENS for c in chains),
                              "both tenants on the SSD")
     assert not set(chain_a) & set(chain_b)  # salted hashes: no block of one is a block of the other

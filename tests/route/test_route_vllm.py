@@ -9,7 +9,6 @@ and a prefix the device evicted still goes to the replica whose kvtier tier keep
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -30,7 +29,7 @@ from kvtier.testing.dynamo import DYNAMO_PYTHON
 from kvtier.testing.dynamo_select import DynamoSelectService
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
-from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm  # noqa: E402
+from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, kv_events_args, start_vllm, wait_for  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -59,11 +58,9 @@ def cluster(tmp_path_factory, smollm2):
         endpoint, replay = f"ipc://{root}/r{i}/events.sock", f"ipc://{root}/r{i}/replay.sock"
         shm_dirs.append(Path("/dev/shm") / f"kvtier-route-{uuid.uuid4().hex[:8]}")
         events.append((endpoint, replay))
-        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
         servers.append(start_vllm(root / f"r{i}" / "vllm.log", [f"shm:{shm_dirs[-1]}:256MiB"],
                                   num_device_blocks=DEVICE_BLOCKS,
-                                  extra_args=("--kv-events-config", json.dumps(config),
-                                              "--enable-prompt-tokens-details")))
+                                  extra_args=(*kv_events_args(endpoint, replay), "--enable-prompt-tokens-details")))
     try:
         with ExitStack() as stack:
             selector = stack.enter_context(DynamoSelectService(root / "select.log"))
@@ -82,16 +79,6 @@ def cluster(tmp_path_factory, smollm2):
             shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def _wait(fetch, ok, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = fetch()
-        if ok(got):
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {got}"
-        time.sleep(0.5)
-
-
 def _indexed(cluster, token_ids: list[int], worker_id: int, tier: str = "device_blocks") -> int:
     """The selector's index: how many of `token_ids`' blocks worker `worker_id` holds in `tier`."""
     return cluster["selector"].overlap(token_ids, model_name=MODEL).get(worker_id, {}).get(tier, 0)
@@ -100,7 +87,7 @@ def _indexed(cluster, token_ids: list[int], worker_id: int, tier: str = "device_
 def _warm(cluster, replica: int, prompt: str) -> list[int]:
     """`prompt` sent to replica `replica` (0, 1) directly; its token ids once the selector indexes them."""
     ids = cluster["servers"][replica].complete(prompt, max_tokens=4)["prompt_token_ids"]
-    _wait(lambda: _indexed(cluster, ids, replica + 1), lambda n: n == len(ids) // BLOCK_TOKENS,
+    wait_for(lambda: _indexed(cluster, ids, replica + 1), lambda n: n == len(ids) // BLOCK_TOKENS,
           f"replica {replica + 1}'s blocks in the selector's index")
     return ids
 
@@ -135,7 +122,7 @@ def test_a_chat_request_s_token_ids_are_vllm_s_and_its_prefix_is_found(cluster, 
     first, reply = _routed(cluster, body, "/v1/chat/completions")
     ids = chat_token_ids(cluster["router"].tokenizer, body)
     assert ids == reply["prompt_token_ids"]  # the router's tokens are the replica's: the same block hashes
-    _wait(lambda: _indexed(cluster, ids, first + 1), lambda n: n == len(ids) // BLOCK_TOKENS, "the chat's blocks")
+    wait_for(lambda: _indexed(cluster, ids, first + 1), lambda n: n == len(ids) // BLOCK_TOKENS, "the chat's blocks")
     again = {**body, "messages": [body["messages"][0], {"role": "user", "content": "And then?"}]}
     second, reply = _routed(cluster, again, "/v1/chat/completions")
     assert second == first
@@ -148,7 +135,7 @@ def test_a_prefix_the_device_evicted_goes_to_the_replica_whose_tier_keeps_it(clu
     num_blocks = len(ids) // BLOCK_TOKENS
     for prompt in prompts[4:7]:  # 3 x 13 blocks through a 32-block device: prompts[3]'s are reused
         cluster["servers"][1].complete(prompt, max_tokens=4)
-    _wait(lambda: (_indexed(cluster, ids, 2), _indexed(cluster, ids, 2, "host_pinned_blocks")),
+    wait_for(lambda: (_indexed(cluster, ids, 2), _indexed(cluster, ids, 2, "host_pinned_blocks")),
           lambda n: n[0] == 0 and n[1] > 0, "the device evicting the prompt while shm keeps it")
     replica, reply = _routed(cluster, {"prompt": prompts[3] + " And more."})
     assert replica == 1  # device 0, host (kvtier's shm) all: Dynamo credits the host tier
