@@ -51,17 +51,6 @@ def _allowed_cpus() -> set[int]:
         return set(range(os.cpu_count() or 1))
 
 
-def _thread_cpus() -> list[set[int]]:
-    """The affinity of each thread of this process."""
-    out = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            out.append(os.sched_getaffinity(int(task.name)))
-        except (OSError, ValueError):
-            continue  # a thread that ended meanwhile
-    return out
-
-
 def omp_env_cpus(env: dict[str, str]) -> set[int]:
     """The cores vLLM bound the worker's OpenMP threads to, as it wrote them into the worker's
     environment (`OMP_PLACES={0,1}`, `GOMP_CPU_AFFINITY=0 1`, `KMP_AFFINITY=...,proclist=[0,1]`): the
@@ -82,8 +71,7 @@ def current_transfer_cpus() -> set[int] | None:
     allowed, main = _allowed_cpus(), os.sched_getaffinity(0)
     if main >= allowed:
         return None  # the calling thread is not bound: its threads may run anywhere already
-    bound = (cpus for cpus in _thread_cpus() if len(cpus) == 1)  # OpenMP threads: one core each
-    forward = main.union(omp_env_cpus(dict(os.environ)), *bound)
+    forward = main | omp_env_cpus(dict(os.environ))  # vLLM writes the binding it made into our environment
     return transfer_cpus(allowed, forward)
 
 
