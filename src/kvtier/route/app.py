@@ -45,6 +45,7 @@ class Router:
         self.metrics = RouteMetrics([r.name for r in replicas.replicas])
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self.selector_down = False
+        self.pool_relay = None  # `pool_events.PoolEventRelay`: replicas on one shared pool; closed with the router
 
     async def start(self) -> None:
         await self.selector.start()
@@ -52,6 +53,8 @@ class Router:
     async def close(self) -> None:
         await self.client.aclose()
         await self.selector.close()
+        if self.pool_relay is not None:
+            self.pool_relay.close()
 
     async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> tuple[Choice, str]:
         """The selector's choice and its policy; least-loaded's while the selector does not answer."""

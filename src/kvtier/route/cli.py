@@ -9,12 +9,13 @@ from kvtier.errors import UserError
 
 def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | None = None,
                  selector_url: str | None = None, kv_events: list[str] | None = None,
-                 kv_events_replay: list[str] | None = None, model_name: str = "smollm2", block_size: int = 32):
-    """A `Router` from the command's settings (also used by tests)."""
+                 kv_events_replay: list[str] | None = None, model_name: str = "smollm2", block_size: int = 32,
+                 shared_pool: bool = False):
+    """A `Router` from the command's settings (also used by tests). `shared_pool`: the replicas share one
+    Mooncake / Redis pool; the selector reads their KV events through `pool_events.PoolEventRelay`."""
     from kvtier.route.app import Router
     from kvtier.route.prompts import load_tokenizer
     from kvtier.route.replicas import Replica, ReplicaSet
-    from kvtier.route.selectors import make_selector
 
     kv_events, kv_events_replay = kv_events or [], kv_events_replay or []
     if kv_events and len(kv_events) != len(replica_urls):
@@ -22,20 +23,42 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
                         f"{len(replica_urls)} replicas)")
     if kv_events_replay and len(kv_events_replay) != len(replica_urls):
         raise UserError("--kv-events-replay: one per --replica, in the same order")
+    relay = None
+    if shared_pool and kv_events:
+        from kvtier.route.pool_events import PoolEventRelay
+
+        relay = PoolEventRelay(kv_events).start()
+        kv_events, kv_events_replay = relay.endpoints, []  # the relay numbers its own stream: no replay
     replicas = [Replica(i + 1, url, kv_events[i] if kv_events else None,
                         kv_events_replay[i] if kv_events_replay else None) for i, url in enumerate(replica_urls)]
+    try:
+        selector = _selector(policy, replicas, selector_url=selector_url, model_name=model_name,
+                             block_size=block_size, tokenizer_path=tokenizer_path)
+    except UserError:
+        if relay is not None:
+            relay.close()
+        raise
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
+    router = Router(ReplicaSet(replicas), selector, tokenizer=tokenizer)
+    router.pool_relay = relay
+    return router
+
+
+def _selector(policy: str, replicas, *, selector_url: str | None, model_name: str, block_size: int,
+              tokenizer_path: str | None):
+    from kvtier.route.selectors import make_selector
+
     try:
         selector = make_selector(policy, replicas, selector_url=selector_url, model_name=model_name,
                                  block_size=block_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if policy == "dynamo" and not kv_events:  # Dynamo 1.6.1: "kv_events endpoint is required"
+    if policy == "dynamo" and not all(r.kv_events_endpoint for r in replicas):  # Dynamo 1.6.1 requires them
         raise UserError("the dynamo policy needs --kv-events ENDPOINT per replica (each one's --kv-events-config "
                         "endpoint): Dynamo's selector schedules only workers whose KV events it reads")
     if policy == "dynamo" and tokenizer_path is None:
         raise UserError("the dynamo policy needs --tokenizer MODEL_DIR (the replicas' model): it matches token ids")
-    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-    return Router(ReplicaSet(replicas), selector, tokenizer=tokenizer)
+    return selector
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +79,8 @@ def register(app: typer.Typer) -> None:
                                                    help="dynamo: each replica's replay endpoint, in order"),
         model: str = typer.Option("smollm2", help="the model name the replicas serve"),
         block_size: int = typer.Option(32, help="the replicas' KV block size in tokens (vLLM --block-size)"),
+        shared_pool: bool = typer.Option(False, "--shared-pool", help="dynamo: the replicas share one Mooncake / "
+                                         "Redis pool: a block one of them put there counts for all"),
     ) -> None:
         """Route OpenAI requests over replicas (vLLM + kvtier, or kvtier serve) by a policy."""
         import logging
@@ -67,7 +92,7 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         router = build_router(replica, policy, tokenizer_path=tokenizer, selector_url=selector,
                               kv_events=kv_events, kv_events_replay=kv_events_replay, model_name=model,
-                              block_size=block_size)
+                              block_size=block_size, shared_pool=shared_pool)
         print(f"kvtier route: http://{host}:{port}/v1 over {len(replica)} replicas ({policy}; /metrics)",
               flush=True)
         uvicorn.run(create_app(router), host=host, port=port, log_level="warning")

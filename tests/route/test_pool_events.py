@@ -1,0 +1,122 @@
+"""A shared pool's blocks in the router's index (`route/pool_events.py`): replicas on one pool announce
+each other's `SHARED` blocks through the relay, so NVIDIA Dynamo's real selection service (`.venv-dynamo`)
+matches a block replica A put in the pool for replica B too, and neither once the pool lost it.
+
+The replicas here are ZMQ publishers of vLLM's wire format (msgpack `KVEventBatch`: [ts, events, dp_rank],
+each event a map tagged `type`), as `tests/integrations/test_vllm_kv_events.py` records it from real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvtier.route.pool_events import PoolEventRelay, shared_part
+from kvtier.route.replicas import Replica
+from kvtier.route.selectors import DynamoSelector
+from kvtier.testing.dynamo import DYNAMO_PYTHON
+from kvtier.testing.dynamo_select import DynamoSelectService
+
+BLOCK = 4
+TOKENS = list(range(100, 100 + 4 * BLOCK))
+
+
+def _stored(hashes: list[int], medium: str) -> list[dict]:
+    """A chain of blocks over TOKENS (vLLM's `BlockStored`, one per block)."""
+    return [{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": hashes[i - 1] if i else None,
+             "token_ids": TOKENS[i * BLOCK:(i + 1) * BLOCK], "block_size": BLOCK, "lora_id": None,
+             "medium": medium, "lora_name": None, "extra_keys": None} for i, h in enumerate(hashes)]
+
+
+def _removed(hashes: list[int], medium: str) -> list[dict]:
+    return [{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}]
+
+
+def _batch(events: list[dict]) -> bytes:
+    return msgpack.packb([time.time(), events, 0], use_bin_type=True)
+
+
+def test_only_a_batch_s_shared_blocks_are_relayed():
+    events = _stored([1, 2], "GPU") + _stored([11, 12], "SHARED") + _removed([5], "CPU") + _removed([11], "SHARED")
+    ts, relayed, dp_rank = msgpack.unpackb(shared_part(_batch(events)), raw=False)
+    assert relayed == events[2:4] + events[5:] and dp_rank == 0
+    assert shared_part(_batch(_stored([1], "CPU") + [{"type": "AllBlocksCleared"}])) is None
+
+
+class _Replica:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.bind(endpoint)
+        self.seq = 0
+
+    def publish(self, events: list[dict]) -> None:
+        self.sock.send_multipart((b"", self.seq.to_bytes(8, "big"), _batch(events)))
+        self.seq += 1
+
+
+async def _register(selector: DynamoSelector) -> None:
+    """The router's registration of its replicas (the service subscribes to their streams from then on)."""
+    await selector.register()
+    await selector.close()
+
+
+def _wait(fetch, ok, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fetch()
+        if ok(got) or time.monotonic() > deadline:
+            assert ok(got), f"{what}: {got}"
+            return got
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not DYNAMO_PYTHON.exists(), reason="no .venv-dynamo: `make dynamo` creates it (`make test` does)")
+def test_a_block_one_replica_put_in_the_pool_is_a_hit_for_every_replica_on_it(tmp_path):
+    a, b, c = (_Replica(f"ipc://{tmp_path}/{name}.sock") for name in "abc")
+    relay = PoolEventRelay([a.endpoint, b.endpoint], tmp_path / "relay").start()  # a, b share the pool; c does not
+    try:
+        with DynamoSelectService(tmp_path / "select.log") as service:
+            replicas = [Replica(1, "http://a", relay.endpoints[0]), Replica(2, "http://b", relay.endpoints[1]),
+                        Replica(3, "http://c", c.endpoint)]
+            asyncio.run(_register(DynamoSelector(service.url, replicas, model_name="m", block_size=BLOCK)))
+            time.sleep(1.0)  # the subscriptions join (ZMQ drops what is published before)
+
+            def blocks():
+                scores = service.overlap(TOKENS, model_name="m")
+                return {w: (scores.get(w, {}).get("device_blocks", 0), scores.get(w, {}).get("disk_blocks", 0))
+                        for w in (1, 2, 3)}
+
+            a.publish(_stored([1, 2], "GPU"))          # a's device holds 2 blocks
+            a.publish(_stored([1, 2, 3, 4], "SHARED"))  # and put all 4 in the pool (the same hashes)
+            c.publish(_stored([1, 2], "SHARED"))  # c's pool is another one: its blocks stay c's
+            _wait(blocks, lambda n: n == {1: (2, 4), 2: (0, 4), 3: (0, 2)}, "a's pool blocks for b, c's for c")
+            assert relay.num_relayed == 1  # a's shared batch, into b's stream; a's device batch is a's own
+            a.publish(_removed([3, 4], "SHARED"))  # the pool lost 2 of them: a found them gone
+            _wait(blocks, lambda n: n == {1: (2, 2), 2: (0, 2), 3: (0, 2)}, "the lost blocks gone for a and b")
+            b.publish(_removed([1, 2], "SHARED"))  # b finds the rest gone
+            _wait(blocks, lambda n: n == {1: (2, 2), 2: (0, 0), 3: (0, 2)}, "b's loss a miss for both")
+    finally:
+        relay.close()
+        for replica in (a, b, c):
+            replica.sock.close(0)
+
+
+def test_kvtier_route_shared_pool_points_the_selector_at_the_relay(tmp_path):
+    from kvtier.route.cli import build_router
+
+    sources = [f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"]
+    router = build_router(["http://a", "http://b"], "least-loaded", kv_events=sources,
+                          kv_events_replay=[f"ipc://{tmp_path}/ra.sock", f"ipc://{tmp_path}/rb.sock"], shared_pool=True)
+    try:
+        assert [r.kv_events_endpoint for r in router.replicas.replicas] == router.pool_relay.endpoints
+        assert router.pool_relay.sources == sources
+        assert all(r.kv_events_replay_endpoint is None for r in router.replicas.replicas)  # the relay numbers anew
+    finally:
+        asyncio.run(router.close())
+    assert not router.pool_relay._thread.is_alive()
