@@ -24,7 +24,7 @@ import pytest
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import model_fingerprint
-from kvtier.testing.services import MooncakePool, RedisServer
+from kvtier.bench.pools import MooncakePool, RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm, wait_stable_count  # noqa: E402

@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 from kvtier import models
-from kvtier.testing.services import MooncakePool, RedisServer
-from kvtier.testing.vllm import DisaggSystem
+from kvtier.bench.pools import MooncakePool, RedisServer
+from kvtier.bench.servers import DisaggSystem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, start_vllm  # noqa: E402

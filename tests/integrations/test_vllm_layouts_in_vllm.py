@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.vllm import VLLM_PYTHON
+from kvtier.bench.servers import VLLM_PYTHON
 
 pytestmark = [
     pytest.mark.vllm,

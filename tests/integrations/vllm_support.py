@@ -1,4 +1,4 @@
-"""Test helpers around `kvtier.testing.vllm.VllmServer` (a real vLLM server)."""
+"""Test helpers around `kvtier.bench.servers.VllmServer` (a real vLLM server)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from kvtier import models
-from kvtier.testing.vllm import BLOCK_TOKENS, VLLM_PYTHON, VllmServer, kvtier_transfer_config
+from kvtier.bench.servers import BLOCK_TOKENS, VLLM_PYTHON, VllmServer, kvtier_transfer_config
 
 __all__ = ["BLOCK_TOKENS", "VLLM_PYTHON", "kv_events_args", "start_vllm", "wait_for", "wait_stable_count"]
 

@@ -11,7 +11,7 @@ from kvtier.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from kvtier.tiers.manager import build_manager
 from kvtier.server.app import create_app
 from kvtier.server.tokenizer import ByteTokenizer
-from kvtier.testing.services import MooncakePool, RedisServer
+from kvtier.bench.pools import MooncakePool, RedisServer
 from server_support import running
 
 pytestmark = pytest.mark.services

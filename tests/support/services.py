@@ -1,11 +1,11 @@
-"""Service fixtures: the local pool services of `kvtier.testing.services`, started once per session on
+"""Service fixtures: the local pool services of `kvtier.bench.pools`, started once per session on
 free 127.0.0.1 ports and stopped after it."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.testing.services import MooncakePool, RedisServer, Service
+from kvtier.bench.pools import MooncakePool, RedisServer, Service
 
 
 def _session_service(service: Service):

@@ -21,7 +21,8 @@ from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.mooncake import parse_spec
 from kvtier.tiers.pool import PoolError
 
-from kvtier.testing.services import MooncakePool, RedisServer, Service, free_port
+from kvtier.bench.pools import MooncakePool, RedisServer, Service
+from kvtier.ports import free_port
 
 pytestmark = pytest.mark.services
 

@@ -22,8 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvtier.testing.services import free_port
-from kvtier.testing.vllm import ROOT, _stop_group
+from kvtier.bench.servers import ROOT, _stop_group
+from kvtier.ports import free_port
 
 DYNAMO_PYTHON = Path(os.environ.get("KVTIER_DYNAMO_PYTHON", ROOT / ".venv-dynamo" / "bin" / "python"))
 START_TIMEOUT_S = 60
