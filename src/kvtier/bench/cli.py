@@ -79,6 +79,10 @@ def register(app: typer.Typer) -> None:
 
     add_long_command(bench)
 
+    from kvtier.bench.route import add_command as add_route_command
+
+    add_route_command(bench)
+
 
 def _met(fraction: float, target: float) -> str:
     return "met" if fraction >= target else "NOT met"

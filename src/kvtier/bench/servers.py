@@ -80,11 +80,12 @@ class VllmServer:
 
     def __init__(self, model_dir: Path, log_path: Path, *, kv_transfer: dict | None = None,
                  extra_args: tuple[str, ...] = (), kv_space_gib: int = 1, max_model_len: int = 2048,
-                 python: Path = VLLM_PYTHON) -> None:
+                 python: Path = VLLM_PYTHON, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.log_path = log_path
         self.kv_space_gib = kv_space_gib
         self.python = python
+        self.env = env or {}  # more environment (VLLM_CPU_OMP_THREADS_BIND: the replicas of `bench route`)
         self.argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                      "--served-model-name", "smollm2", "--dtype", "float32", "--block-size", str(BLOCK_TOKENS),
                      "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(self.port),
@@ -98,7 +99,8 @@ class VllmServer:
     def __enter__(self) -> VllmServer:
         if not self.python.exists():
             raise FileNotFoundError(f"{self.python} not found: `make vllm` (or `make lmcache`) creates it")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib), "PYTHONPATH": str(ROOT / "src")}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib), "PYTHONPATH": str(ROOT / "src"),
+               **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -1,0 +1,96 @@
+"""`kvtier bench route`'s plumbing without vLLM: the chat client over a stub OpenAI replica (conversations
+come back with their replies, a stream cut mid-way is retried once, the kill fires once a quarter is
+answered), the rows against the reference, the trace it records for `kvtier simulate` and the report."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from kvtier.bench import route
+from kvtier.bench.harness import Workload
+from kvtier.sim.trace import read_trace
+from kvtier.testing.app_thread import AppThread
+
+
+class ChatStub:
+    """Streams `max_tokens` tokens, each the prompt's length plus its index; `cut`: the first N streams die
+    after their first chunk."""
+
+    def __init__(self, cut: int = 0) -> None:
+        self.bodies: list[dict] = []
+        self.cut = cut
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+            prompt = [len(m["content"]) for m in body["messages"]]
+            cut, self.cut = self.cut > 0, max(0, self.cut - 1)
+
+            async def stream():
+                yield f"data: {json.dumps({'prompt_token_ids': prompt, 'choices': []})}\n\n".encode()
+                for i in range(body["max_tokens"]):
+                    if cut and i == 1:
+                        raise RuntimeError("replica killed")
+                    tok = len(prompt) + i
+                    yield f"data: {json.dumps({'choices': [{'delta': {'content': f't{tok} '}, 'token_ids': [tok]}]})}\n\n".encode()
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"]}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(stream(), media_type="text/event-stream")
+
+        return app
+
+
+W = Workload(num_users=2, num_turns=2, context_chars=40, turn_chars=10, max_tokens=3)
+CONVS = [("passage one", ["hello", "again"]), ("passage two", ["hi", "more"])]
+
+
+def test_each_user_s_turns_come_back_with_the_replies_and_are_recorded_as_a_trace(tmp_path):
+    stub, trace, killed = ChatStub(), [], []
+    with AppThread(stub.app()) as server:
+        result = route._run_chat(server.url, CONVS, W, "x", trace=trace, kill=lambda: killed.append(1))
+    assert len(result.turns) == 4 and result.num_failed == 0 and killed == [1]
+    second = next(b for b in stub.bodies if len(b["messages"]) == 4 and "one" in b["messages"][0]["content"])
+    assert second["messages"][2] == {"role": "assistant", "content": "t2 t3 t4 "}  # turn 1's reply, then turn 2
+    assert result.turns[(0, 1)].token_ids == [4, 5, 6] and result.num_prompt_tokens == 2 * (2 + 4)
+    route._record_trace(trace, tmp_path / "trace.jsonl", W.max_tokens)
+    requests = read_trace(tmp_path / "trace.jsonl", 32)
+    assert sorted(r.input_length for r in requests) == [2, 2, 4, 4]
+    turn1 = [r for r in requests if r.input_length == 2]
+    assert turn1[0].hash_ids != turn1[1].hash_ids  # two users' prompts: different blocks
+
+
+def test_a_stream_cut_mid_way_is_retried_once_and_counted(tmp_path):
+    stub = ChatStub(cut=1)
+    with AppThread(stub.app()) as server:
+        result = route._run_chat(server.url, CONVS[:1], W, "x")
+    assert result.num_cut == 1 and result.num_failed == 0 and len(result.turns) == 2
+    assert len(stub.bodies) == 3
+
+
+def test_rows_compare_every_reply_with_the_reference_and_the_report_renders(tmp_path):
+    stub = ChatStub()
+    with AppThread(stub.app()) as server:
+        reference = route._run_chat(server.url, CONVS, W, route.REFERENCE)
+        same = route._run_chat(server.url, CONVS, W, "round-robin/local")
+    other = route._run_chat("http://127.0.0.1:9", CONVS[:1], W, "dead")  # nothing listens: every request fails
+    replica = {"requests": 2, "prompt_tokens": 100, "computed_tokens": 40, "cached_tokens_by_tier": {"device": 32,
+                                                                                                      "shm": 28}}
+    rows = [route._row(reference, None, None), route._row(same, reference, [replica, replica]),
+            route._row(other, reference, None)]
+    assert [r["same_replies_as_reference"] for r in rows] == [None, True, False]
+    assert rows[1]["prefix_hit_rate"] == 0.6 and rows[1]["requests_per_replica"] == [2, 2]
+    assert rows[1]["cached_tokens_by_tier"] == {"device": 64, "shm": 56}
+    assert rows[2]["failed"] == 1 and "ConnectError" in rows[2]["first_error"]
+    table = route.render({"rows": rows})
+    assert "| round-robin/local | 4 | 0 | 0 |" in table and "60%" in table and "| yes |" in table
+    route.plot({"rows": rows}, str(tmp_path / "route.png"), "t")
+    assert (tmp_path / "route.png").stat().st_size > 0
