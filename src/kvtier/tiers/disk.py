@@ -1,11 +1,12 @@
 """Local SSD tier: one file per block under a directory, an index that survives restarts.
 
-A block is written to a temporary file, fsynced and renamed into place (`os.replace` is atomic),
-so a crash never leaves a half-written block under a real name; the header checksum catches
-anything else. On open the directory is scanned: yesterday's blocks are found again, in mtime
-order (a read stamps the blocks it returns, so that order is use order, not write order), and
-leftover temporary files are removed; files that are not ours are left alone. A block another live
-process wrote into the same directory after our scan is adopted on first lookup.
+A block is written to a temporary file, fsynced and linked into place (atomic, and only where the
+name is free: a block in place is never overwritten), so a crash never leaves a half-written block
+under a real name; the header checksum catches anything else. On open the directory is scanned:
+yesterday's blocks are found again, in mtime order (a read stamps the blocks it returns, so that
+order is use order, not write order), and a crash's leftover temporary files are removed; files
+that are not ours are left alone. A block another live process wrote into the same directory after
+our scan is adopted on first lookup.
 
 A full (ENOSPC) or read-only disk turns the tier's writes off (`health.writable`), not its reads:
 what is there keeps being served. `reconnect()` (the manager's background probe) turns writes back
@@ -20,14 +21,31 @@ cache copy and no fresh allocation — several files in flight; the buffers go b
 Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
 a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
 is neither held nor adoptable meanwhile, so a lookup never takes in a file that is about to go.
+
+Several processes on one directory (two servers, a second `kvtier generate`, vLLM's scheduler and
+workers) each keep their own index; the files are the truth, and no process deletes what another
+is writing or has pinned for a load:
+- a write goes to a temporary name of its own (`<key>.kvb.<pid>-<random>.tmp`), linked into place
+  (never over a block already there); start-up removes only temporary files older than
+  `TMP_GRACE_SECONDS` (a crash's, not a live write);
+- a pin (`pin_many`, the lookup a load follows) holds a shared `flock` on the block's file until
+  `unpin`; every eviction takes the exclusive lock first (non-blocking) and leaves a locked
+  file where it is — it only leaves the evicting process's index (and is adopted again when found);
+- a lookup (`contains_many`) checks that an indexed file is still there: another process's eviction
+  or a write still to land is a miss, not a stale hit; a reader that loses a race anyway gets a
+  missing file (a miss) or fails the header checksum (`codecs.header.verify`): recomputed, never wrong.
+`DiskStore` is the same directory without an index (a vLLM worker: `SchedulerSide` owns index and
+eviction and ships its deletes in the step's metadata).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +64,7 @@ _TMP_SUFFIX = ".tmp"
 _BLOCK_SUFFIX = ".kvb"
 _PROBE_NAME = ".kvtier-probe"
 READ_THREADS = 4
+TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not another process's live one
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
@@ -58,6 +77,30 @@ def _open_directory(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"ssd tier: cannot use {directory} as its directory: {exc.strerror or exc}") from None
+
+
+def _place(tmp: Path, path: Path) -> None:
+    """Put the written `tmp` under its block's name, atomically and only if that name is free: a block
+    file in place is never replaced (a second writer of one key holds the same block), so the file a
+    load pinned stays the file under that name. File systems without hard links: `os.replace`."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        os.replace(tmp, path)
+
+
+def _open_files_limit() -> int:
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
 
 
 def _key_of(path: Path) -> bytes | None:
@@ -74,11 +117,12 @@ def _key_of(path: Path) -> bytes | None:
 
 class DiskTier:
     name = "ssd"
+    owns_index = True  # decides what the directory keeps (`DiskStore`: another process does)
     in_process = False  # the blocks crossed a medium (a file, maybe another process's): full payload proof
     stream_chunk_blocks = STREAM_CHUNK_BLOCKS
     events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
 
-    def __init__(self, directory: str | Path, capacity_bytes: int) -> None:
+    def __init__(self, directory: str | Path, capacity_bytes: int | None) -> None:
         self.directory = Path(directory)
         _open_directory(self.directory)
         self.capacity_bytes = capacity_bytes
@@ -88,14 +132,21 @@ class DiskTier:
         self._index_lock = threading.Lock()
         self._in_flux: set[bytes] = set()
         self._pins: dict[bytes, int] = {}  # blocks a load will read (`pin_many`): never evicted meanwhile
+        self._pin_fds: dict[bytes, int] = {}  # their files, each under a shared flock (other processes' pin)
+        self._max_pin_fds = max(16, _open_files_limit() // 4)  # past it a pin holds in this process only
+        self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
         self._readers: ThreadPoolExecutor | None = None  # batched reads, started on first use
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
         self._leases = Leases()  # read buffers lent out, by key
         self._direct_io = hasattr(os, "O_DIRECT")
-        self._scan()
+        self._open()
         if self._read_only():
             self.health.fail(f"{self.directory}: read-only file system", reads=False)
+
+    def _open(self) -> None:
+        """Index what the directory holds (the owner of the directory's index: not `DiskStore`)."""
+        self._scan()
         self._warn_if_disk_smaller()
 
     def _warn_if_disk_smaller(self) -> None:
@@ -123,19 +174,21 @@ class DiskTier:
 
     def _scan(self) -> None:
         found = []
+        oldest_live_ns = time.time_ns() - int(TMP_GRACE_SECONDS * 1e9)
         for path in self.directory.glob("*/*"):
+            try:
+                stat = path.stat()
+            except OSError:
+                continue  # gone meanwhile: another process's write or eviction
             if path.name.endswith(_TMP_SUFFIX):
-                self._remove(path)  # a write that never reached its rename
+                if stat.st_mtime_ns < oldest_live_ns:
+                    self._remove(path)  # a write that never reached its name (younger: maybe a live one)
             elif (key := _key_of(path)) is not None:
-                try:
-                    stat = path.stat()
-                except OSError:
-                    continue
                 found.append((stat.st_mtime_ns, key, stat.st_size))
         for _, key, size in sorted(found):
             self._max_block_bytes = max(self._max_block_bytes, size)
             for victim, _ in self._lru.insert(key, size) or []:
-                self._remove(self._path(victim))  # more than the configured size
+                self._remove_unpinned(self._path(victim))  # more than the configured size
 
     def _remove(self, path: Path) -> None:
         try:
@@ -143,39 +196,103 @@ class DiskTier:
         except OSError as exc:  # a read-only disk: the file stays, unindexed
             self._write_failed(exc)
 
+    def _remove_unpinned(self, path: Path) -> bool:
+        """Delete a block file unless a load pinned it (any process's `pin_many`: a shared flock on it);
+        False when it stays. The exclusive lock is held across the unlink, so a pin taken meanwhile
+        sees the file gone (`_pin_file`); a file replaced meanwhile (`os.replace`, where there are no
+        hard links) is left alone."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            self._remove(path)  # unreadable (permissions): nobody can have pinned it either
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                path.unlink()
+            return True
+        except BlockingIOError:
+            return False  # pinned for a load
+        except FileNotFoundError:
+            return True
+        except OSError as exc:  # a read-only disk: the file stays, unindexed
+            self._write_failed(exc)
+            return True
+        finally:
+            os.close(fd)  # drops the lock
+
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [self._holds(key) for key in keys]
 
     def pin_many(self, keys: list[bytes]) -> list[bool]:
-        """`contains_many`, each held block kept from eviction until `unpin` (the file may still go
-        behind our back, another process's eviction: the read then misses and falls through)."""
-        held = [self._holds(key) for key in keys]
+        """`contains_many`, each held block kept from eviction until `unpin` — this process's and every
+        other's (a shared flock on its file). A file that goes anyway (removed by hand; a process
+        past its open-files budget pins in its own index only) makes the read a miss: recomputed."""
+        return [self._holds(key) and self._pin(key) for key in keys]
+
+    def _pin(self, key: bytes) -> bool:
         with self._index_lock:
-            for i, key in enumerate(keys):
-                if held[i] and key in self._lru:
-                    self._pins[key] = self._pins.get(key, 0) + 1
-                else:
-                    held[i] = False
-        return held
+            if key in self._pins:
+                self._pins[key] += 1
+                return True
+            over_budget = len(self._pin_fds) >= self._max_pin_fds
+        fd = None if over_budget else self._pin_file(self._path(key))
+        if fd is None and not over_budget:
+            return False  # gone since the lookup, or being evicted right now
+        with self._index_lock:
+            if key in self._pins:  # pinned meanwhile (the other side): one file lock is enough
+                self._pins[key] += 1
+                if fd is not None:
+                    os.close(fd)
+                return True
+            self._pins[key] = 1
+            if fd is not None:
+                self._pin_fds[key] = fd
+        return True
+
+    @staticmethod
+    def _pin_file(path: Path) -> int | None:
+        """An open descriptor of `path` under a shared flock, or None if the file is gone or an
+        eviction holds it (an unlinked file has no links: evicted before our lock came)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.fstat(fd).st_nlink > 0:
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
 
     def unpin(self, keys: list[bytes]) -> None:
+        fds = []
         with self._index_lock:
             for key in keys:
                 if key in self._pins:
                     self._pins[key] -= 1
                     if not self._pins[key]:
                         del self._pins[key]
+                        fds.append(self._pin_fds.pop(key, None))
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)  # drops the flock: other processes may evict the block again
 
     def placed_below(self, keys: list[bytes]) -> None:
         pass  # the SSD evicts by deleting: it never hands blocks back for demotion
 
     def _holds(self, key: bytes) -> bool:
+        """Indexed and its file still there (the index may be stale: another process's eviction, a
+        write another process has yet to land), or a file found now and adopted."""
         with self._index_lock:
             if key in self._in_flux:
                 return False
-            if key in self._lru:
-                return True
-        return self._adopt(key)
+            indexed = key in self._lru
+        return self._path(key).exists() if indexed else self._adopt(key)
 
     def _adopt(self, key: bytes) -> bool:
         """A block file another process wrote after our scan: take it into the index. Not while the
@@ -201,12 +318,49 @@ class DiskTier:
         return victims
 
     def _evict(self, victims: list[tuple[bytes, int]]) -> None:
-        for victim, _ in victims:
-            self._remove(self._path(victim))
-            self.stats.evictions += 1
-        announce_removed(self, [victim for victim, _ in victims])
+        """Delete the victims' files (or hand them to `take_deletes`); a file another process pinned
+        stays, out of our index only."""
+        keys = [victim for victim, _ in victims]
+        if self._deletes is not None:  # the process that deletes them announces them
+            with self._index_lock:
+                self._deletes.extend(keys)
+            self.stats.evictions += len(keys)
+        else:
+            removed = [key for key in keys if self._remove_unpinned(self._path(key))]
+            self.stats.evictions += len(removed)
+            announce_removed(self, removed)
         with self._index_lock:
-            self._in_flux.difference_update(victim for victim, _ in victims)
+            self._in_flux.difference_update(keys)
+
+    def hand_deletes_off(self) -> None:
+        """From now on this index decides evictions and another process executes them: evicted keys
+        collect for `take_deletes` instead of being deleted here (vLLM: the scheduler owns the index,
+        its workers delete what the step's metadata tells them)."""
+        with self._index_lock:
+            self._deletes = []
+
+    def take_deletes(self) -> list[bytes]:
+        """The keys evicted since the last call (after `hand_deletes_off`), LRU first."""
+        with self._index_lock:
+            if not self._deletes:
+                return []
+            deletes, self._deletes = self._deletes, []
+        return deletes
+
+    def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
+        """Index blocks another process is about to write here (their size as `size_bytes`), evicting
+        to make room as a write would; whether each is indexed (not: everything else is pinned, or
+        it made room for a later one of `keys`). Until their files land, lookups find them missing."""
+        victims: list[tuple[bytes, int]] = []
+        with self._index_lock:
+            for key in keys:
+                if key in self._lru:
+                    self._lru.touch(key)
+                elif key not in self._in_flux:
+                    victims += self._insert(key, size_bytes) or []
+            admitted = [key in self._lru for key in keys]
+        self._evict(victims)
+        return admitted
 
     @staticmethod
     def _read(path: Path) -> bytes | None:
@@ -322,14 +476,13 @@ class DiskTier:
         self.stats.bytes_read += sum(len(d) for d in out if d is not None)
 
     def _lost(self, key: bytes) -> None:
-        """An indexed file failed to read: removed behind our back or unreadable (an error, dropped
-        from the index), or evicted by our own writer meanwhile — and maybe written again since (just
-        a miss)."""
+        """An indexed file failed to read: gone (another process's eviction, an operator: dropped from
+        the index — a miss, not an error, in a directory several processes share), or evicted by our
+        own writer meanwhile — and maybe written again since (just a miss)."""
         with self._index_lock:
             if key in self._in_flux or key not in self._lru or self._path(key).exists():
                 return
             self._lru.pop(key)
-        self.stats.errors += 1
         announce_removed(self, [key])
 
     @staticmethod
@@ -383,19 +536,19 @@ class DiskTier:
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         path.parent.mkdir(exist_ok=True)  # shard directory: first two hex digits of the key
-        tmp = path.with_name(path.name + _TMP_SUFFIX)
+        # a name of this write's own: two processes writing one key never share (truncate) a file
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{_TMP_SUFFIX}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError:
+            _place(tmp, path)
+        finally:
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass  # read-only: there is no tmp file either
-            raise
 
     def _write_failed(self, exc: OSError) -> None:
         self.stats.errors += 1
@@ -424,7 +577,7 @@ class DiskTier:
         need_bytes = PROBE_BLOCKS * self._max_block_bytes
         if free_bytes < need_bytes:
             return f"{fmt_bytes(free_bytes)} free, fewer than {PROBE_BLOCKS} blocks ({fmt_bytes(need_bytes)})"
-        probe = self.directory / _PROBE_NAME
+        probe = self.directory / f"{_PROBE_NAME}-{os.getpid()}"  # a process's own: two probes never race
         try:
             self._write(probe, b"ok")
             probe.unlink()
@@ -433,6 +586,8 @@ class DiskTier:
         return None
 
     def delete(self, key: bytes) -> bool:
+        """Drop a bad block (the manager's verify found it corrupt or foreign), pinned or not: every
+        reader of it would fail the same check."""
         with self._index_lock:
             if key in self._in_flux or self._lru.pop(key) is None:
                 return False
@@ -453,6 +608,57 @@ class DiskTier:
         if self._readers is not None:
             self._readers.shutdown(wait=True)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
+        with self._index_lock:
+            fds, self._pin_fds = list(self._pin_fds.values()), {}
+            self._pins.clear()
+        for fd in fds:
+            os.close(fd)
+
+
+class DiskStore(DiskTier):
+    """A block directory whose index and eviction another process owns (a vLLM worker's SSD or
+    `shm:`: `SchedulerSide` admits the blocks the worker writes and tells it what to delete): write,
+    read and delete, no index, no eviction, no start-up cleanup. Lookups ask the files."""
+
+    owns_index = False
+
+    def __init__(self, directory: str | Path, name: str = "ssd") -> None:
+        self.name = name
+        super().__init__(directory, None)
+
+    def _open(self) -> None:
+        pass  # the owner scans and cleans up
+
+    def _holds(self, key: bytes) -> bool:
+        with self._index_lock:
+            if key in self._in_flux:
+                return False
+        return self._path(key).exists()
+
+    def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]]:
+        return []  # nothing indexed, nothing evicted: the owner's index decides
+
+    def delete(self, key: bytes) -> bool:
+        """Drop a bad block (as `DiskTier.delete`)."""
+        return self._delete(key, self._remove)
+
+    def delete_many(self, keys: list[bytes]) -> int:
+        """The files the owner's index evicted: how many went (one a load pinned stays)."""
+        return sum(self._delete(key, self._remove_unpinned) for key in keys)
+
+    def _delete(self, key: bytes, remove) -> bool:
+        with self._index_lock:
+            if key in self._in_flux:
+                return False
+            self._in_flux.add(key)
+        try:
+            removed = remove(self._path(key)) is not False
+        finally:
+            with self._index_lock:
+                self._in_flux.discard(key)
+        if removed:
+            announce_removed(self, [key])
+        return removed
 
 
 class SharedMemoryTier(DiskTier):
