@@ -31,6 +31,7 @@ class StubReplica:
     cached_tokens: int = 0
     gate: threading.Event | None = None
     hold_first: dict | None = None  # shared by stubs: the first request any of them gets waits for its "event"
+    hold_all: threading.Event | None = None  # every request waits for it before its first byte
     bodies: list[bytes] = field(default_factory=list)
 
     def sse_chunks(self) -> list[bytes]:
@@ -48,6 +49,8 @@ class StubReplica:
                 self.hold_first["taken"] = True
                 while not self.hold_first["event"].is_set():
                     await asyncio.sleep(0.01)
+            while self.hold_all is not None and not self.hold_all.is_set():
+                await asyncio.sleep(0.01)
             if self.failing:
                 return JSONResponse({"error": {"message": "engine dead"}}, status_code=500)
             try:

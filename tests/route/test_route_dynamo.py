@@ -53,3 +53,25 @@ def test_the_real_selector_books_each_request_s_load_and_frees_it(tmp_path):
         metrics = httpx.get(url + "/metrics").text
     assert 'kvtier_route_requests_total{code="200",policy="dynamo"' in metrics
     assert "kvtier_route_selector_fallbacks_total 0.0" in metrics
+
+
+def test_requests_arriving_together_are_each_booked_before_the_next_is_chosen(tmp_path):
+    """Nothing cached anywhere: 4 requests sent at once, all still in prefill, spread over both replicas
+    (each selection sees the prefill the previous one booked), not all onto the worker an unbooked tie favours."""
+    gate = threading.Event()
+    stubs = [StubReplica("a", hold_all=gate), StubReplica("b", hold_all=gate)]
+    with DynamoSelectService(tmp_path / "select.log") as selector, running(*stubs) as urls, \
+            router_over(urls, "dynamo", tokenizer=ByteTokenizer(), selector_url=selector.url,
+                        kv_events=[f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"]) as (url, router):
+        replies = []
+        threads = [threading.Thread(target=lambda: replies.append(
+            httpx.post(url + "/v1/completions", json=PROMPT, timeout=30))) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        while len(stubs[0].bodies) + len(stubs[1].bodies) < 4:  # all 4 arrived, none answered
+            time.sleep(0.01)
+        gate.set()
+        for thread in threads:
+            thread.join()
+    assert [r.status_code for r in replies] == [200] * 4
+    assert sorted(len(s.bodies) for s in stubs) == [2, 2]

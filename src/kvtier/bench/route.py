@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.bench.harness import SYSTEM_PROMPT, SystemResult, TurnClock, Workload, _pct, conversations
@@ -47,6 +47,7 @@ SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": 
 @dataclass(slots=True)
 class RouteResult(SystemResult):
     num_cut: int = 0  # streams that broke after their first token (in flight on a killed replica), retried
+    texts: dict = field(default_factory=dict)  # (user, turn) -> the reply's text (what the next turn carries)
 
 
 def system_names(policies=POLICIES, setups=SETUPS) -> list[str]:
@@ -90,7 +91,8 @@ async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: 
                 return None
             continue
         out = "".join(text)
-        result.turns[key] = clock.turn(tokens or [ord(c) for c in out], result.t0)
+        result.turns[key] = clock.turn(tokens, result.t0)
+        result.texts[key] = out
         if trace is not None and prompt_ids:
             trace.append((result.turns[key].start_s, prompt_ids))
         return out
@@ -247,11 +249,25 @@ def _replica_counts(before: dict, after: dict) -> dict:
             "cached_tokens_by_tier": _cached_tokens(before, after)}
 
 
+def _selector_matched(url: str) -> dict[str, dict[str, int]]:
+    """What Dynamo's selector matched for the replicas it chose, per tier (`gpu`, `cpu` = device + host,
+    `disk` = every tier, the pool's shared blocks too), summed over the run: kvtier route's /metrics."""
+    import re
+
+    import httpx
+
+    out: dict[str, dict[str, int]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        m = re.match(r'kvtier_route_selector_matched_tokens_total\{(.*)\}\s+(\S+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            out.setdefault(labels["replica"], {})[labels["tier"]] = int(float(m.group(2)))
+    return out
+
+
 def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict] | None) -> dict:
     ttfts = sorted(t.ttft_s for t in result.turns.values())
-    same = None if reference is None else len(result.turns) == len(reference.turns) and all(
-        reference.turns.get(k) is not None and reference.turns[k].token_ids == t.token_ids
-        for k, t in result.turns.items())
+    same = None if reference is None else result.texts == reference.texts  # a router may drop return_token_ids
     row = {"system": result.name, "requests": len(result.turns), "failed": result.num_failed,
            "cut_mid_stream": result.num_cut, "ttft_p50_s": _pct(ttfts, 50),
            "ttft_p90_s": _pct(ttfts, 90), "wall_s": result.wall_s, "same_replies_as_reference": same,
@@ -304,6 +320,12 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
     from kvtier.bench.servers import BLOCK_TOKENS, VllmServer
     from kvtier.data import SHAKESPEARE, shared_data_file
 
+    import importlib.util
+
+    if "sglang" in policies and importlib.util.find_spec("sglang_router") is None:
+        print("sglang skipped: PyPI sglang-router is not installed (`pip install sglang-router`, in the `peers` "
+              "extra)", file=sys.stderr)
+        policies = tuple(p for p in policies if p != "sglang")
     model_dir = models.cache_dir() / "smollm2-135m-instruct"
     models.load("smollm2", device="cpu")  # converted on first use
     convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
@@ -335,6 +357,8 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                 counts = [_replica_counts(b, s.metrics()) for b, s in zip(before, replicas.servers)]
                 row = _row(result, reference, counts)
                 row["simulated"] = simulate(trace_path, policy, setup, device_blocks=device_blocks)
+                if policy == "dynamo":
+                    row["selector_matched_tokens"] = _selector_matched(url)
                 rows.append(row)
                 if kill:
                     killed = _run_chat(url, convs, w, f"{name} (replica 2 killed)", kill=lambda: replicas.kill(1))

@@ -16,6 +16,7 @@ tiers), in tokens.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import uuid
@@ -112,6 +113,9 @@ class DynamoSelector:
         self.client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
         self._registered = False
         self._least_loaded = LeastLoaded()
+        # one selection at a time, booked before the next is asked: two requests arriving together would
+        # otherwise both be scored against the same unbooked load and sent to the same worker
+        self._booking = asyncio.Lock()
 
     async def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
@@ -148,15 +152,17 @@ class DynamoSelector:
         if not self._registered:
             await self.register()
         selection_id = uuid.uuid4().hex
-        picked = await self._call("POST", "/select", {"model_name": self.model_name, "token_ids": token_ids,
-                                                      "selection_id": selection_id})
-        overlap = picked.get("overlap") or {}
-        matched = {tier: int(overlap.get(tier) or 0) for tier in ("gpu", "cpu", "disk")}
-        by_id = {r.replica_id: r for r in candidates}
-        replica = by_id.get(picked.get("worker_id"))
-        if replica is None:  # it chose a replica taken out: the load decides among the others, nothing booked
-            return await self._by_load(candidates)
-        await self._call("POST", "/reservations", {"selection_id": selection_id, "model_name": self.model_name})
+        async with self._booking:
+            picked = await self._call("POST", "/select", {"model_name": self.model_name, "token_ids": token_ids,
+                                                          "selection_id": selection_id})
+            overlap = picked.get("overlap") or {}
+            matched = {tier: int(overlap.get(tier) or 0) for tier in ("gpu", "cpu", "disk")}
+            by_id = {r.replica_id: r for r in candidates}
+            replica = by_id.get(picked.get("worker_id"))
+            if replica is None:  # it chose a replica taken out: the load decides among the others, nothing booked
+                return await self._by_load(candidates)
+            await self._call("POST", "/reservations", {"selection_id": selection_id,
+                                                       "model_name": self.model_name})
         return Choice(replica, matched, selection_id)
 
     async def _by_load(self, candidates: list[Replica]) -> Choice:
