@@ -31,7 +31,9 @@ from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMet
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec, for_rank
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.tiers.manager import build_manager
+from kvtier.tiers import make_tier
+from kvtier.tiers.disk import DiskStore
+from kvtier.tiers.manager import TierManager, build_manager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 
@@ -47,6 +49,9 @@ class KvtierMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # the scheduler owns the shared directories' index: the files it evicted (tier name -> keys, every
+    # rank's), for the workers to delete (rank 0 does)
+    deletes: dict[str, list[bytes]] = field(default_factory=dict)
 
 
 @dataclass
@@ -85,12 +90,18 @@ class KvtierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             # Lookups only (no writes): the worker's DRAM is in another process; what it holds is
             # written through to the shared tiers, which the scheduler asks.
+            # It owns the shared directories' index and eviction (SSD, shm: `scheduler.py`).
             self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
-            self._scheduler = SchedulerSide(self._space, self._manager, self._world_size)
+            self._scheduler = SchedulerSide(self._space, self._manager, self._world_size,
+                                            block_bytes=codec.max_encoded_bytes(self._space.layout),
+                                            saves=not self._consumer)
         else:
             with threads_started_off_forward() as cpus:  # every tier, save and load thread: off the forward's core
-                self._manager = build_manager(list(config.tiers), slot_bytes=slot_bytes)
-                self._worker = WorkerSide(self._space.layout, codec, self._manager,
+                # its directories are plain file stores: the scheduler's index decides what they keep
+                self._manager = TierManager([make_tier(spec, slot_bytes=slot_bytes, owner=False)
+                                             for spec in config.tiers])
+                stores = {tier.name: tier for tier in self._manager.tiers if isinstance(tier, DiskStore)}
+                self._worker = WorkerSide(self._space.layout, codec, self._manager, stores=stores,
                                           max_pending_saves=config.max_pending_saves, transfer_cpus=cpus)
         # --kv-events-config: the tiers' blocks announced with vLLM's own (`kv_events.py`), from both sides
         self._scheduler_events: SchedulerEvents | None = None
@@ -138,7 +149,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
         records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
                                                 lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
-        return KvtierMetadata(records.loads, [] if self._consumer else records.saves)
+        return KvtierMetadata(records.loads, [] if self._consumer else records.saves, records.deletes)
 
     def update_connector_output(self, connector_output) -> None:
         if self._scheduler_events is not None:
@@ -179,8 +190,11 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             assert isinstance(connector_metadata, KvtierMetadata)
             # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker)
+            deletes = connector_metadata.deletes if self._rank == 0 else {}  # files of every rank: one deletes
             connector_metadata = KvtierMetadata(for_rank(connector_metadata.loads, self._rank, self._world_size),
-                                                for_rank(connector_metadata.saves, self._rank, self._world_size))
+                                                for_rank(connector_metadata.saves, self._rank, self._world_size),
+                                                deletes)
+            self._worker.delete(deletes)
             self._worker.begin_step(connector_metadata.saves)
         super().bind_connector_metadata(connector_metadata)
 

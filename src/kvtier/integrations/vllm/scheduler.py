@@ -4,6 +4,14 @@ blocks to fill from them, and which newly full blocks to send down.
 vLLM asks the device prefix cache first and offers the rest to `num_matched_tokens`; one lookup
 (one `contains` round per tier, top-down, each asked only for what the tiers above lack) finds the
 longest held run. The load itself runs on the worker; the scheduler never waits on a tier.
+
+The shared directories (SSD, `shm:`) have one owner, this side (as vLLM's offloading manager keeps
+its index in the scheduler): their index and eviction are decided here, the workers only write, read
+and delete files. A step's saves are admitted into the index when they are sent down (evicting to make
+room; a block not written yet is a miss until its file lands); the keys evicted go to the workers in
+the step's records (`StepRecords.deletes`); the blocks a load will read are pinned from allocation until
+the worker reports the load done (`loaded_from`), so neither this index nor any other process's
+(`DiskTier` pins are file locks) deletes them meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from collections.abc import Callable
 from kvtier.blocks import KeySpace
 from kvtier.integrations.vllm.trackers import (LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords,
                                                request_namespace, shard_keys)
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.manager import TierManager
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
@@ -23,11 +32,22 @@ class SchedulerSide:
     """`world_size` workers (tensor parallel ranks) each store their shard of a block under its own key
     (`plan.shard_keys`): a block is a hit only when every rank's shard is held."""
 
-    def __init__(self, space: KeySpace, manager: TierManager, world_size: int = 1) -> None:
+    def __init__(self, space: KeySpace, manager: TierManager, world_size: int = 1, *, block_bytes: int | None = None,
+                 saves: bool = True) -> None:
+        """`block_bytes`: a saved block's file size, as admitted into the directories' index before it is
+        written (default: the layout's payload); `saves=False` (a disaggregated consumer): nothing sent down."""
         self.space = space
         self.world_size = world_size
         self.block_tokens = space.layout.block_tokens
         self.manager = manager
+        self.saves = saves
+        self._block_bytes = block_bytes or space.layout.block_bytes
+        # the directories this side owns (the workers' are `DiskStore`s): evictions shipped, not done here
+        self._directories = {tier.name: tier for tier in manager.tiers
+                             if isinstance(tier, DiskTier) and tier.owns_index}
+        for tier in self._directories.values():
+            tier.hand_deletes_off()
+        self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> its load's pinned files
         self._trackers: dict[str, RequestTracker] = {}
         self._plans: dict[str, LoadPlan] = {}
         self._requests: dict[str, object] = {}   # req_id -> vLLM Request (read only)
@@ -89,6 +109,54 @@ class SchedulerSide:
             self.on_blocks(request, plan.first_block, plan.keys, plan.tiers)
         tracker.load, tracker.load_block_ids = plan, ids
         tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
+        self._pin(request.request_id, plan.keys, plan.tiers)
+
+    def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
+        """The files of `keys`: every rank's shard of each block."""
+        return [k for rank in range(self.world_size) for k in shard_keys(keys, rank, self.world_size)]
+
+    def _pin(self, req_id: str, keys: list[bytes], tiers: list[str]) -> None:
+        """Keep the blocks a load will read from eviction (ours and any other process's) until it is done."""
+        self._unpin(req_id)
+        pins = []
+        for name, tier in self._directories.items():
+            files = self._rank_keys([key for key, where in zip(keys, tiers) if where == name])
+            try:
+                held = tier.pin_many(files) if files else []
+            except Exception:  # noqa: BLE001 - a pin that fails makes a miss at worst, never a failed step
+                log.exception("kvtier: pinning a load in %s failed", name)
+                continue
+            pins.append((tier, [key for key, h in zip(files, held) if h]))
+        self._pins[req_id] = pins
+
+    def _unpin(self, req_id: str) -> None:
+        for tier, files in self._pins.pop(req_id, []):
+            tier.unpin(files)
+
+    def _admit(self, saves: list[SaveSpec]) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
+        """Index the blocks sent down this step in each directory: the saves of the blocks every
+        directory took (one no index has room for — all of it pinned — is not written: a future miss),
+        and the files that evicted (and lookups' adoptions) for the workers to delete."""
+        keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
+        files = self._rank_keys(keys)  # rank-major: files[rank * len(keys) + i] is rank's shard of keys[i]
+        kept = [True] * len(keys)
+        deletes = {}
+        for name, tier in self._directories.items():
+            try:
+                admitted = tier.admit(files, self._block_bytes) if files else []
+                evicted = tier.take_deletes()
+            except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
+                log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
+                admitted, evicted = [False] * len(files), []
+            for i, ok in enumerate(admitted):
+                kept[i % len(keys)] = kept[i % len(keys)] and ok
+            if evicted:
+                deletes[name] = evicted
+        if all(kept):
+            return saves, deletes
+        flags = iter(kept)
+        kept_saves = [_keep(spec, [next(flags) for _ in spec.keys]) for spec in saves]
+        return [spec for spec in kept_saves if spec.keys], deletes
 
     def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
         tracker = self._trackers.get(request_id)
@@ -111,6 +179,7 @@ class SchedulerSide:
             if self.on_blocks is not None:
                 self.on_blocks(request, tracker.num_saved_blocks, keys, None)
             tracker.num_saved_blocks = num_full
+        self._records.saves, self._records.deletes = self._admit(self._records.saves)
         records, self._records = self._records, StepRecords()
         return records
 
@@ -122,11 +191,19 @@ class SchedulerSide:
     def loaded_from(self, tiers_by_request: dict[str, list[str]]) -> None:
         """Where the worker really read each loaded block (its DRAM, which the lookup does not see)."""
         for req_id, tiers in tiers_by_request.items():
+            self._unpin(req_id)  # the load is over: its blocks may be evicted again
             tracker = self._trackers.get(req_id)
             if tracker is not None and tracker.load is not None:
                 tracker.load.tiers = tiers[:len(tracker.load.tiers)]
 
     def finished(self, request_id: str) -> None:
+        self._unpin(request_id)
         self._trackers.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._plans.pop(request_id, None)
+
+
+def _keep(spec: SaveSpec, flags: list[bool]) -> SaveSpec:
+    """`spec` with only the blocks `flags` keeps."""
+    return SaveSpec(spec.req_id, [k for k, f in zip(spec.keys, flags) if f],
+                    [b for b, f in zip(spec.block_ids, flags) if f])

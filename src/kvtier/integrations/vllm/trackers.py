@@ -101,3 +101,4 @@ class StepRecords:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    deletes: dict[str, list[bytes]] = field(default_factory=dict)  # tier name -> files (keys) its index evicted

@@ -19,6 +19,9 @@ Saves copy the step's newly full blocks out layer by layer as the forward leaves
 may be freed after the step), into one buffer the step end hands to the mover's save queue, which
 encodes and writes them; a full queue drops the save (a future miss) rather than stall a step. No tier
 error ever reaches vLLM.
+The worker's SSD and `shm:` tiers are plain file stores (`DiskStore`): the scheduler owns their index and
+eviction, and the files it evicted reach the worker in the step's metadata (`delete`), removed on the
+load thread, off the forward.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvtier.integrations.vllm.cpus import run_torch_here
 from kvtier.integrations.vllm.device_copies import DeviceCopies
 from kvtier.integrations.vllm.layouts import block_view
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
+from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.manager import TierManager
 from kvtier.transfer import BlockMover, MoverStats
 
@@ -108,11 +112,13 @@ class _LayerwiseLoad:
 
 class WorkerSide:
     def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *, max_pending_saves: int,
-                 transfer_cpus: set[int] | None = None) -> None:
-        """`transfer_cpus`: where the load and save threads run their copies (`cpus.py`; None: anywhere)."""
+                 transfer_cpus: set[int] | None = None, stores: dict[str, DiskStore] | None = None) -> None:
+        """`transfer_cpus`: where the load and save threads run their copies (`cpus.py`; None: anywhere).
+        `stores`: the directories among the manager's tiers, by tier name, that delete what the scheduler evicts."""
         self.layout = layout
         self.codec = codec
         self.manager = manager
+        self._stores = stores or {}
         on_thread_start = partial(run_torch_here, transfer_cpus)
         self.mover = BlockMover(manager, codec, layout=layout, max_pending_saves=max_pending_saves,
                                 on_thread_start=on_thread_start)
@@ -240,6 +246,27 @@ class WorkerSide:
         with self._lock:
             invalid, self._invalid_block_ids = self._invalid_block_ids, set()
         return invalid
+
+    # -- the scheduler's evictions ----------------------------------------------------------------
+    def delete(self, deletes: dict[str, list[bytes]]) -> None:
+        """Remove the files the scheduler's index evicted (tier name -> keys), on the load thread: before
+        this step's loads, never one of their blocks (the scheduler pinned those), nor a file another
+        process pinned (`DiskStore.delete`)."""
+        if deletes:
+            self._loader.submit(self._delete, deletes)
+
+    def _delete(self, deletes: dict[str, list[bytes]]) -> None:
+        for name, keys in deletes.items():
+            store = self._stores.get(name)
+            if store is None:
+                continue
+            try:
+                num_deleted = store.delete_many(keys)
+            except Exception:  # noqa: BLE001 - a file left behind is space, never a wrong block
+                log.exception("kvtier: deleting %d evicted blocks from %s failed", len(keys), name)
+                continue
+            with self._lock:
+                self._stats["deleted_blocks"] += num_deleted
 
     # -- saves -----------------------------------------------------------------------------------
     def begin_step(self, saves: list[SaveSpec]) -> None:
