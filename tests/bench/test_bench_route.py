@@ -39,7 +39,8 @@ class ChatStub:
                     if cut and i == 1:
                         raise RuntimeError("replica killed")
                     tok = len(prompt) + i
-                    yield f"data: {json.dumps({'choices': [{'delta': {'content': f't{tok} '}, 'token_ids': [tok]}]})}\n\n".encode()
+                    choice = {"delta": {"content": f"t{tok} "}, "token_ids": [tok]}
+                    yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
                 usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"]}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"

@@ -41,7 +41,7 @@ SHM_BYTES = "1GiB"        # per replica: the workload never fills it (the device
 POOL_MAXMEMORY = "1gb"
 REFERENCE = "reference"   # one vLLM replica alone
 # `kvtier simulate`'s router model for each policy (`sim/router.py`)
-SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "best-prefix"}
+SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "dynamo"}
 
 
 @dataclass(slots=True)
@@ -152,7 +152,8 @@ class Replicas:
                       "replay_endpoint": self.replays[-1]}
             self.servers.append(VllmServer(
                 model_dir, root / f"r{i + 1}.log", kv_transfer=kvtier_transfer_config(tiers),
-                max_model_len=(num_blocks - 1) * BLOCK_TOKENS, env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())},
+                max_model_len=(num_blocks - 1) * BLOCK_TOKENS,
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())},
                 extra_args=("--num-gpu-blocks-override", str(num_blocks), "--enable-prompt-tokens-details",
                             "--kv-events-config", json.dumps(config))))
 

@@ -32,7 +32,8 @@ def register(app: typer.Typer) -> None:
         pool_tokens: str = typer.Option("0", help="pooled cache shared by all nodes, in tokens"),
         ssd_tokens: str = typer.Option("0", help="SSD cache per node, in tokens"),
         router: str = typer.Option("round-robin", help="round-robin, least-loaded, best-prefix "
-                                                       "(= best-prefix-match) or cache-aware (SGLang's router)"),
+                                                       "(= best-prefix-match), cache-aware (SGLang's router) "
+                                                       "or dynamo"),
         write_policy: str = typer.Option("through", help="through (new blocks go to every tier) or back "
                                                         "(evictions cascade one tier down)"),
         kv_dtype: str = typer.Option("bf16", help="KV dtype for the HBM budget and bytes moved"),

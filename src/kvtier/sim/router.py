@@ -77,10 +77,28 @@ class CacheAware:
         return best
 
 
-ROUTERS = {cls.name: cls for cls in (RoundRobin, LeastLoaded, BestPrefixMatch, CacheAware)}
+class Dynamo:
+    """NVIDIA Dynamo's KV router (`DefaultWorkerScorer`, 1.6.1 defaults): the node with the lowest cost
+    `max(0, request blocks - credit)`, credit per cached prefix block by the tier it is in: HBM 1.0, DRAM
+    0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared pool's blocks land); ties to the
+    node whose queue drains first. Its load terms (prefill booked on a worker, its decode blocks) are
+    left out: the replay has no requests in flight."""
+
+    name = "dynamo"
+    WEIGHTS = (1.0, 0.75, 0.25, 0.25)  # hbm, dram, pool, ssd (cluster.TIERS)
+
+    def route(self, request: Request, cluster: Cluster, free_at_s: list[float]) -> int:
+        def cost(node: int) -> tuple[float, float, int]:
+            credit = sum(self.WEIGHTS[t] for t in cluster.prefix_tiers(node, request.hash_ids))
+            return max(0.0, len(request.hash_ids) - credit), free_at_s[node], node
+
+        return min(range(len(free_at_s)), key=cost)
 
 
-def make_router(name: str) -> RoundRobin | LeastLoaded | BestPrefixMatch | CacheAware:
+ROUTERS = {cls.name: cls for cls in (RoundRobin, LeastLoaded, BestPrefixMatch, CacheAware, Dynamo)}
+
+
+def make_router(name: str) -> RoundRobin | LeastLoaded | BestPrefixMatch | CacheAware | Dynamo:
     aliases = {"rr": "round-robin", "best-prefix-match": "best-prefix", "prefix": "best-prefix", "ll": "least-loaded",
                "sglang": "cache-aware"}
     name = aliases.get(name, name)

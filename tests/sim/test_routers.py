@@ -1,0 +1,36 @@
+"""The router models `kvtier bench route` compares the simulator with: SGLang's cache-aware router (a tree
+of what it routed, a share threshold, else the smallest tree) and Dynamo's tier-weighted KV cost."""
+
+from __future__ import annotations
+
+from kvtier.sim.cluster import Cluster, ClusterConfig
+from kvtier.sim.router import CacheAware, Dynamo, make_router
+from kvtier.sim.trace import Request
+
+BT = 4
+
+
+def req(ids: list[int]) -> Request:
+    return Request(0.0, BT * len(ids), 1, list(ids))
+
+
+def test_cache_aware_keeps_a_session_where_it_sent_it_and_opens_new_ones_on_the_smallest_tree():
+    cluster, router, free = Cluster(ClusterConfig(num_nodes=2, hbm_tokens=64, block_tokens=BT)), CacheAware(), [0, 0]
+    assert router.route(req([1, 2, 3]), cluster, free) == 0      # nothing routed yet: the first smallest tree
+    assert router.route(req([7, 8]), cluster, free) == 1         # node 0's tree is larger now
+    assert router.route(req([1, 2, 3, 4, 5]), cluster, free) == 0  # 3 of 5 blocks (60% > 30%) routed to node 0
+    assert router.route(req([1, 9, 9, 9]), cluster, free) == 1   # 1 of 4 (25%): the smallest tree (node 1: 2 blocks)
+    assert make_router("sglang").name == "cache-aware"
+
+
+def test_dynamo_credits_each_cached_block_by_its_tier():
+    config = ClusterConfig(num_nodes=2, hbm_tokens=64, dram_tokens=64, pool_tokens=64, block_tokens=BT)
+    cluster, router = Cluster(config), Dynamo()
+    cluster.access(0, req([1, 2, 3, 4]))                         # node 0: HBM, DRAM (write-through) and the pool
+    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 0  # 4 HBM blocks beat an idle node's 4 pool ones
+    for key in (1, 2, 3, 4):
+        cluster.nodes[0][0].pop(key)                             # HBM evicted them: DRAM (0.75) still beats the pool
+    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 0
+    for key in (1, 2, 3, 4):
+        cluster.nodes[0][1].pop(key)                             # only the pool now: a tie, the idler node takes it
+    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 1
