@@ -88,6 +88,17 @@ def test_the_owner_admits_and_evicts_the_store_writes_and_deletes(tmp_path):
     assert owner.contains_many([KEYS[1]]) == [False] and owner.stats.evictions == 1
 
 
+def test_an_admitted_block_is_counted_at_its_file_size_once_found(tmp_path):
+    """The owner admits at an estimate (the codec's largest block); the lookup that finds the file
+    counts its real size, so a compressing codec's smaller files fill the directory."""
+    owner = DiskTier(tmp_path, 4 * BLOCK_BYTES)
+    owner.admit(KEYS[:2], 2 * BLOCK_BYTES)
+    assert owner.used_bytes() == 4 * BLOCK_BYTES
+    put(DiskStore(tmp_path), *KEYS[:2])
+    assert owner.contains_many(KEYS[:2]) == [True, True] and owner.used_bytes() == 2 * BLOCK_BYTES
+    assert owner.admit(KEYS[2:4], BLOCK_BYTES) == [True, True] and owner.stats.evictions == 0
+
+
 def test_a_store_keeps_a_file_another_process_pinned(tmp_path):
     store = DiskStore(tmp_path, name="shm")
     other = DiskTier(tmp_path, 8 * BLOCK_BYTES)

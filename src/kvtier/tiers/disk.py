@@ -292,7 +292,22 @@ class DiskTier:
             if key in self._in_flux:
                 return False
             indexed = key in self._lru
-        return self._path(key).exists() if indexed else self._adopt(key)
+        if not indexed:
+            return self._adopt(key)
+        try:
+            size = self._path(key).stat().st_size
+        except OSError:
+            return False
+        self._resize(key, size)
+        return True
+
+    def _resize(self, key: bytes, size: int) -> None:
+        """An indexed block's file is `size` bytes: count that (a block `admit`ted at an estimate)."""
+        with self._index_lock:
+            if key in self._in_flux or key not in self._lru or self._lru.size_of(key) == size:
+                return
+            victims = self._insert(key, size) or []
+        self._evict(victims)
 
     def _adopt(self, key: bytes) -> bool:
         """A block file another process wrote after our scan: take it into the index. Not while the
@@ -348,9 +363,10 @@ class DiskTier:
         return deletes
 
     def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
-        """Index blocks another process is about to write here (their size as `size_bytes`), evicting
-        to make room as a write would; whether each is indexed (not: everything else is pinned, or
-        it made room for a later one of `keys`). Until their files land, lookups find them missing."""
+        """Index blocks another process is about to write here (their size as `size_bytes`, corrected
+        by the first lookup that finds the file), evicting to make room as a write would; whether each
+        is indexed (not: everything else is pinned, or it made room for a later one of `keys`). Until
+        their files land, lookups find them missing."""
         victims: list[tuple[bytes, int]] = []
         with self._index_lock:
             for key in keys:
