@@ -23,14 +23,19 @@ def test_cache_aware_keeps_a_session_where_it_sent_it_and_opens_new_ones_on_the_
     assert make_router("sglang").name == "cache-aware"
 
 
-def test_dynamo_credits_each_cached_block_by_its_tier():
-    config = ClusterConfig(num_nodes=2, hbm_tokens=64, dram_tokens=64, pool_tokens=64, block_tokens=BT)
+def test_dynamo_credits_each_cached_block_by_its_tier_against_the_prefill_booked_on_each_node():
+    # one block of prefill takes 1 s: a node's queue at a request's arrival counts 1 block per second
+    config = ClusterConfig(num_nodes=2, gpus_per_node=1, hbm_tokens=64, dram_tokens=64, pool_tokens=64, block_tokens=BT,
+                           flops_per_token=1.0, gpu_flops=BT, mfu=1.0)
     cluster, router = Cluster(config), Dynamo()
     cluster.access(0, req([1, 2, 3, 4]))                         # node 0: HBM, DRAM (write-through) and the pool
-    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 0  # 4 HBM blocks beat an idle node's 4 pool ones
+    later = Request(10_000.0, 5 * BT, 1, [1, 2, 3, 4, 5])         # arrives at 10 s, both queues drained
+    assert router.route(later, cluster, [9.0, 0.0]) == 0          # 4 HBM blocks beat the idler node's 4 pool ones
+    assert router.route(later, cluster, [12.5, 0.0]) == 0         # 2.5 blocks booked + 1 left: under 5 - 1 (pool)
+    assert router.route(later, cluster, [13.5, 0.0]) == 1         # 3.5 booked + 1: the other node costs 4
     for key in (1, 2, 3, 4):
-        cluster.nodes[0][0].pop(key)                             # HBM evicted them: DRAM (0.75) still beats the pool
-    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 0
+        cluster.nodes[0][0].pop(key)                              # HBM evicted them: DRAM (0.75) beats the pool
+    assert router.route(later, cluster, [9.0, 0.0]) == 0
     for key in (1, 2, 3, 4):
-        cluster.nodes[0][1].pop(key)                             # only the pool now: a tie, the idler node takes it
-    assert router.route(req([1, 2, 3, 4, 5]), cluster, [9.0, 0.0]) == 1
+        cluster.nodes[0][1].pop(key)                              # only the pool now: a tie, the idler node takes it
+    assert router.route(later, cluster, [9.0, 0.0]) == 1

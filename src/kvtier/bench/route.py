@@ -40,6 +40,7 @@ SETUPS = ("local", "pool")
 SHM_BYTES = "1GiB"        # per replica: the workload never fills it (the device budget is the pressure)
 POOL_MAXMEMORY = "1gb"
 REFERENCE = "reference"   # one vLLM replica alone
+KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M in fp32
 # `kvtier simulate`'s router model for each policy (`sim/router.py`)
 SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "dynamo"}
 
@@ -48,6 +49,7 @@ SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": 
 class RouteResult(SystemResult):
     num_cut: int = 0  # streams that broke after their first token (in flight on a killed replica), retried
     texts: dict = field(default_factory=dict)  # (user, turn) -> the reply's text (what the next turn carries)
+    routed: dict = field(default_factory=dict)  # (user, turn) -> the replica that answered (kvtier route says)
 
 
 def system_names(policies=POLICIES, setups=SETUPS) -> list[str]:
@@ -62,10 +64,13 @@ async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: 
     retry: a stream the killed replica cut)."""
     body = {"model": "smollm2", "messages": messages, "max_tokens": w.max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    from kvtier.route.app import REPLICA_HEADER
+
     for attempt in range(2):
         clock, text, tokens, prompt_ids = TurnClock(), [], [], None
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+                result.routed[key] = reply.headers.get(REPLICA_HEADER, "")
                 if reply.status_code != 200:
                     raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread()).decode()[:200]}")
                 async for line in reply.aiter_lines():
@@ -247,6 +252,7 @@ def _replica_counts(before: dict, after: dict) -> dict:
     return {"requests": int(_delta(before, after, "vllm:request_success_total")),
             "prompt_tokens": int(_delta(before, after, "vllm:prompt_tokens_total")),
             "computed_tokens": int(_delta(before, after, "vllm:request_prefill_kv_computed_tokens_sum")),
+            "prefill_s": _delta(before, after, "vllm:request_prefill_time_seconds_sum"),
             "cached_tokens_by_tier": _cached_tokens(before, after)}
 
 
@@ -272,7 +278,8 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
     row = {"system": result.name, "requests": len(result.turns), "failed": result.num_failed,
            "cut_mid_stream": result.num_cut, "ttft_p50_s": _pct(ttfts, 50),
            "ttft_p90_s": _pct(ttfts, 90), "wall_s": result.wall_s, "same_replies_as_reference": same,
-           "first_error": result.first_error}
+           "first_error": result.first_error,
+           "routed": [[u, t, result.routed.get((u, t), "")] for (u, t) in sorted(result.texts)]}
     if replicas:
         cached: dict[str, int] = {}
         for r in replicas:
@@ -296,9 +303,11 @@ def _record_trace(trace: list, path: Path, max_tokens: int) -> None:
                             trace_hash_ids(ids, block_tokens=BLOCK_TOKENS))
 
 
-def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, num_replicas: int = 2) -> dict:
+def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, prefill_tokens_per_s: float,
+             num_replicas: int = 2) -> dict:
     """`kvtier simulate`'s prediction for one system: its router model on the recorded trace, each replica's
-    device budget as HBM, the `shm:` tier as DRAM, the pool (`pool` setup) as the shared tier."""
+    device budget as HBM, the `shm:` tier as DRAM, the pool (`pool` setup) as the shared tier, a replica's
+    prefill at the speed its run measured (queues decide where Dynamo's load term sends a request)."""
     from kvtier.bench.servers import BLOCK_TOKENS
     from kvtier.sim.cluster import ClusterConfig
     from kvtier.sim.replay import replay
@@ -307,7 +316,8 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, n
     large = 1 << 40  # the workload never fills the tiers
     config = ClusterConfig(num_nodes=num_replicas, gpus_per_node=1, hbm_tokens=device_blocks * BLOCK_TOKENS,
                            dram_tokens=large, pool_tokens=large if setup == "pool" else 0,
-                           block_tokens=BLOCK_TOKENS)
+                           block_tokens=BLOCK_TOKENS, flops_per_token=1.0, gpu_flops=prefill_tokens_per_s, mfu=1.0,
+                           kv_bytes_per_token=KV_BYTES_PER_TOKEN)
     result = replay(read_trace(trace_path, BLOCK_TOKENS), config, SIM_ROUTERS[policy])
     return {"router": SIM_ROUTERS[policy], "prefix_hit_rate": result.hit_rate,
             "requests_per_replica": result.requests_by_node}
@@ -357,7 +367,9 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                 result = _run_chat(url, convs, w, name)
                 counts = [_replica_counts(b, s.metrics()) for b, s in zip(before, replicas.servers)]
                 row = _row(result, reference, counts)
-                row["simulated"] = simulate(trace_path, policy, setup, device_blocks=device_blocks)
+                speed = sum(c["computed_tokens"] for c in counts) / max(1e-9, sum(c["prefill_s"] for c in counts))
+                row["simulated"] = simulate(trace_path, policy, setup, device_blocks=device_blocks,
+                                            prefill_tokens_per_s=speed)
                 if policy == "dynamo":
                     row["selector_matched_tokens"] = _selector_matched(url)
                 rows.append(row)
@@ -428,7 +440,7 @@ def add_command(bench) -> None:
 
     @bench.command("route")
     def route(users: int = typer.Option(4, min=1), turns: int = typer.Option(3, min=1),
-              context_chars: int = typer.Option(1200, min=1), turn_chars: int = typer.Option(160, min=1),
+              context_chars: int = typer.Option(900, min=1), turn_chars: int = typer.Option(160, min=1),
               max_tokens: int = typer.Option(16, min=1),
               device_blocks: int = typer.Option(20, min=4, help="each replica's device KV blocks (of 32 tokens)"),
               policies: str = typer.Option(",".join(POLICIES), help=", ".join(POLICIES)),

@@ -79,18 +79,24 @@ class CacheAware:
 
 class Dynamo:
     """NVIDIA Dynamo's KV router (`DefaultWorkerScorer`, 1.6.1 defaults): the node with the lowest cost
-    `max(0, request blocks - credit)`, credit per cached prefix block by the tier it is in: HBM 1.0, DRAM
-    0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared pool's blocks land); ties to the
-    node whose queue drains first. Its load terms (prefill booked on a worker, its decode blocks) are
-    left out: the replay has no requests in flight."""
+    `max(0, booked prefill blocks + request blocks - credit)`, credit per cached prefix block by the tier it
+    is in: HBM 1.0, DRAM 0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared pool's blocks
+    land); ties to the node whose queue drains first. The prefill booked on a node is its queue at the
+    request's arrival, in blocks at the node's prefill speed; its decode term is left out (Dynamo's
+    selection service did not count it for requests past their first token, measured in
+    `tests/route/test_route_dynamo.py`)."""
 
     name = "dynamo"
     WEIGHTS = (1.0, 0.75, 0.25, 0.25)  # hbm, dram, pool, ssd (cluster.TIERS)
 
     def route(self, request: Request, cluster: Cluster, free_at_s: list[float]) -> int:
+        now_s = request.timestamp_ms / 1000.0
+        block_s = cluster.config.compute_s(cluster.config.block_tokens)
+
         def cost(node: int) -> tuple[float, float, int]:
             credit = sum(self.WEIGHTS[t] for t in cluster.prefix_tiers(node, request.hash_ids))
-            return max(0.0, len(request.hash_ids) - credit), free_at_s[node], node
+            booked = max(0.0, free_at_s[node] - now_s) / block_s
+            return max(0.0, booked + len(request.hash_ids) - credit), free_at_s[node], node
 
         return min(range(len(free_at_s)), key=cost)
 
