@@ -24,7 +24,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvtier import models
 from kvtier.data import shared_data_file
-from kvtier.engine.offload import select_blocks
+from kvtier.offload.pages import select_blocks
 from kvtier.evals.perplexity import score_continuation, text_windows
 from kvtier.evals.runner import fill, prefill
 

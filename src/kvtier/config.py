@@ -8,90 +8,23 @@ Light on purpose (no torch): `kvtier serve --help` derives its options from thes
 from __future__ import annotations
 
 import inspect
-import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from fractions import Fraction
 from typing import Any, Callable, Literal, get_args
 
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.errors import ConfigError
+# the offload settings' types live in kvtier.offload.config; imported here for EngineConfig (and its importers)
+from kvtier.offload.config import (DEFAULT_OFFLOAD_PAGE_TOKENS, DEFAULT_RECENT_BLOCKS,  # noqa: F401
+                                   DEFAULT_SINK_BLOCKS, PAGE_SUMMARY_VECTORS, OffloadConfig, OffloadKind,
+                                   OffloadMode, parse_offload, sparse_page_tokens)
 from kvtier.units import SizeError, parse_bytes
 
 _MiB = 1 << 20
 KVFormat = Literal["raw", "fp8", "int8", "int4", "int2"]  # the device arena's formats
 ARENA_CODECS: tuple[str, ...] = get_args(KVFormat)
 TierWrites = Literal["full", "evict"]       # blocks go to the tiers when computed, or when the device evicts them
-
-
-OffloadKind = Literal["exact", "sparse"]
-DEFAULT_OFFLOAD_PAGE_TOKENS = 32  # sparse offload's page (at most a block): docs/benchmarks/quality.md, issue 18
-# sparse offload's summary of a page, per layer and KV head: its keys' per-channel min, max (Quest) and mean,
-# head_dim values each (`engine.offload.page_summary`; the mean since the 3-window measurement,
-# docs/benchmarks/quality.md)
-PAGE_SUMMARY_VECTORS = 3
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadMode:
-    """How a long sequence attends to its host blocks: all of them (`exact`), or a budget (`sparse`):
-    `budget` < 1 is a fraction of its host pages, >= 1 a number of pages (per layer and KV head; a page is
-    `offload_page_tokens` tokens of a block, the whole block when that is the block size)."""
-
-    kind: OffloadKind
-    budget: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("exact", "sparse"):
-            raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET', got {self.kind!r}")
-        if self.kind == "sparse" and not (self.budget > 0 and math.isfinite(self.budget)
-                                          and (self.budget < 1 or self.budget == int(self.budget))):
-            raise ValueError("a sparse budget is a fraction in (0, 1) or a whole number of pages, "
-                             f"got {self.budget}")
-
-    def num_fetched(self, num_host_pages: int) -> int:
-        """Host pages attended to per layer and KV head. A fraction is a cap (rounded down, at least
-        one page): `sparse:1/8` never moves more than 1/8 of what exact moves."""
-        if self.kind == "exact" or num_host_pages == 0:
-            return num_host_pages
-        wanted = math.floor(self.budget * num_host_pages) if self.budget < 1 else int(self.budget)
-        return max(1, min(num_host_pages, wanted))
-
-    def __str__(self) -> str:
-        if self.kind == "exact":
-            return "exact"
-        budget = self.budget if self.budget >= 1 else Fraction(self.budget).limit_denominator(1024)
-        return f"sparse:{int(budget) if self.budget >= 1 else budget}"
-
-
-def parse_offload(text: str | None) -> OffloadMode | None:
-    """`off` (None), `exact`, `sparse:0.125`, `sparse:1/8` or `sparse:16` (pages). ValueError otherwise."""
-    text = (text or "off").strip().lower()
-    if text in ("off", "none", ""):
-        return None
-    if text == "exact":
-        return OffloadMode("exact")
-    kind, _, budget = text.partition(":")
-    if kind != "sparse" or not budget:
-        raise ValueError(f"kv_offload must be 'off', 'exact' or 'sparse:BUDGET' (0.125, 1/8 or a number of "
-                         f"pages), got {text!r}")
-    try:
-        value = float(Fraction(budget))
-    except (ValueError, ZeroDivisionError):
-        raise ValueError(f"kv_offload: bad sparse budget {budget!r} (0.125, 1/8 or a number of pages)") from None
-    return OffloadMode("sparse", value)
-
-
-def sparse_page_tokens(page_tokens: int, block_tokens: int) -> int:
-    """The unit sparse offload scores and fetches: pages of `page_tokens` tokens (Quest's pages), at most a
-    block; a page must divide the block. ValueError otherwise."""
-    page = min(page_tokens, block_tokens)
-    if page <= 0 or block_tokens % page:
-        works = max(n for n in range(1, max(page, 1) + 1) if block_tokens % n == 0)
-        raise ValueError(f"offload_page_tokens ({page_tokens}) must divide block_tokens ({block_tokens}): a "
-                         f"block is a whole number of pages; offload_page_tokens {works} works")
-    return page
 
 
 def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None, name: str | None = None,
@@ -237,13 +170,15 @@ class EngineConfig:
                                              "int4, int2 (KIVI; the open block stays exact)")
     max_model_tokens: int | None = setting(None, help="context limit", shown="the model's")
     synchronous_transfers: bool = False  # tier I/O at submission on the step thread (tests, debugging)
-    # contexts larger than the device (engine/offload.py): a request longer than the device holds keeps
+    # contexts larger than the device (kvtier/offload/): a request longer than the device holds keeps
     # `offload_sink_blocks` + `offload_recent_blocks` blocks on the device, the rest pinned in the DRAM tier
     kv_offload: str = setting("off", help="requests longer than the device budget: off (refused), exact (every "
                                           "host block attended), sparse:1/8 or sparse:N (Quest-picked pages); "
                                           "their middle blocks live in the DRAM tier")
-    offload_sink_blocks: int = setting(1, help="blocks an offloaded request keeps at its start (attention sinks)")
-    offload_recent_blocks: int = setting(2, help="most recent blocks an offloaded request keeps on the device")
+    offload_sink_blocks: int = setting(DEFAULT_SINK_BLOCKS,
+                                       help="blocks an offloaded request keeps at its start (attention sinks)")
+    offload_recent_blocks: int = setting(DEFAULT_RECENT_BLOCKS,
+                                         help="most recent blocks an offloaded request keeps on the device")
     offload_fetch_blocks: int = setting(0, help="layer-blocks per half of the offload fetch area (taken from the "
                                                 "budget)", shown="0: 1/8 of the budget")
     offload_page_tokens: int = setting(DEFAULT_OFFLOAD_PAGE_TOKENS, help="tokens per page sparse:BUDGET scores and "
@@ -252,6 +187,11 @@ class EngineConfig:
     def offload_mode(self) -> OffloadMode | None:
         """The default `OffloadMode` (None: off)."""
         return parse_offload(self.kv_offload)
+
+    def offload_config(self) -> OffloadConfig:
+        """The offload settings, parsed: the default mode and the window's layout (the engine builds it once)."""
+        return OffloadConfig(self.offload_mode(), self.block_tokens, self.offload_sink_blocks,
+                             self.offload_recent_blocks, self.offload_page_tokens, self.offload_fetch_blocks)
 
     @property
     def page_tokens(self) -> int:

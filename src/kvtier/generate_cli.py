@@ -19,6 +19,7 @@ import typer
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS
 from kvtier.config import command_settings
 from kvtier.errors import UserError
+from kvtier.offload.config import DEFAULT_RECENT_BLOCKS, DEFAULT_SINK_BLOCKS
 from kvtier.tiers.spec import TierSpec, parse_specs
 
 DEFAULT_TIERS = "dram,ssd"
@@ -36,7 +37,7 @@ class GenerateResult:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     stored_blocks: int = 0
     tier_stats: dict[str, dict] = field(default_factory=dict)
-    offload: dict | None = None  # --kv-offload: what the long context cost (engine/offload.py OffloadStats)
+    offload: dict | None = None  # --kv-offload: what the long context cost (kvtier/offload/ OffloadStats)
     # where the TTFT went: restore_s (load_prefix: the tiers' reads, verify, copies into the cache, and the
     # promotion of blocks read from below into the top tier, in tier_write_s) + prefill_s (the forward of the
     # uncached tokens and the first token's sampling); tier_read_s / tier_write_s by tier, within restore_s
@@ -99,8 +100,9 @@ class _FirstTokenTimer:
 
 def run_generate(loaded, manager, prompt_ids, *, max_new_tokens: int, codec: str = "raw",
                  block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 kv_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
-                 offload_recent_blocks: int = 2, offload_page_tokens: int | None = None) -> GenerateResult:
+                 kv_codec: str = "raw", kv_offload: str | None = None,
+                 offload_sink_blocks: int = DEFAULT_SINK_BLOCKS, offload_recent_blocks: int = DEFAULT_RECENT_BLOCKS,
+                 offload_page_tokens: int | None = None) -> GenerateResult:
     """Prefix lookup, prefill of the rest, greedy decode, store of new blocks."""
     import torch
 

@@ -45,8 +45,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvtier.blocks import DEFAULT_BLOCK_TOKENS, KeyChain, KeySpace, KVLayout, key_codec
 from kvtier.codecs import get_codec
 from kvtier.codecs.codec import byte_array
-from kvtier.config import DEFAULT_OFFLOAD_PAGE_TOKENS, OffloadMode, parse_offload
-from kvtier.engine.offload import OffloadStats
+from kvtier.offload.config import (DEFAULT_OFFLOAD_PAGE_TOKENS, DEFAULT_RECENT_BLOCKS, DEFAULT_SINK_BLOCKS,
+                                   OffloadConfig, OffloadMode, parse_offload)
+from kvtier.offload.stats import OffloadStats
 from kvtier.hf_offload import OffloadLayer, QueryTap
 from kvtier.transfer import BlockMover
 from kvtier.transfer.copies import CopyGroup, copy_threads
@@ -195,9 +196,9 @@ class TieredCache(Cache):
 
     def __init__(self, config, manager=None, *, model_fingerprint: str, codec: str = "raw",
                  namespace: str = "", block_tokens: int = DEFAULT_BLOCK_TOKENS, dtype: torch.dtype = torch.float32,
-                 resident_codec: str = "raw", kv_offload: str | None = None, offload_sink_blocks: int = 1,
-                 offload_recent_blocks: int = 2, offload_page_tokens: int = DEFAULT_OFFLOAD_PAGE_TOKENS,
-                 model: torch.nn.Module | None = None) -> None:
+                 resident_codec: str = "raw", kv_offload: str | None = None,
+                 offload_sink_blocks: int = DEFAULT_SINK_BLOCKS, offload_recent_blocks: int = DEFAULT_RECENT_BLOCKS,
+                 offload_page_tokens: int = DEFAULT_OFFLOAD_PAGE_TOKENS, model: torch.nn.Module | None = None) -> None:
         text_config = config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
         if any(kind != "full_attention" for kind in layer_types) or getattr(text_config, "sliding_window", None) \
@@ -216,10 +217,13 @@ class TieredCache(Cache):
         self.prefix = PrefixStats()
         self._num_stored_blocks = 0
         self.offload: OffloadMode | None = parse_offload(kv_offload)  # ValueError for a bad string
+        offload = None
+        if self.offload is not None:  # the settings, parsed once (ValueError for a bad window or page)
+            offload = OffloadConfig(self.offload, block_tokens, offload_sink_blocks, offload_recent_blocks,
+                                    offload_page_tokens)
         exact = self.offload is not None and self.offload.kind == "exact"
         self._prefetch_stream = torch.cuda.Stream() if exact and torch.cuda.is_available() else None
-        super().__init__(layers=_layers(self.layout, resident_codec, self.offload, offload_sink_blocks,
-                                        offload_recent_blocks, offload_page_tokens, model))
+        super().__init__(layers=_layers(self.layout, resident_codec, offload, model))
 
     @classmethod
     def for_model(cls, loaded, manager=None, **kwargs) -> "TieredCache":
@@ -433,19 +437,18 @@ class _WindowSink:
             layer.write_block(index, block[layer_idx, 0], block[layer_idx, 1])
 
 
-def _layers(layout: KVLayout, resident_codec: str, offload: OffloadMode | None, sink_blocks: int,
-            recent_blocks: int, page_tokens: int, model: torch.nn.Module | None) -> list:
+def _layers(layout: KVLayout, resident_codec: str, offload: OffloadConfig | None,
+            model: torch.nn.Module | None) -> list:
     num_layers = layout.num_layers
     if offload is not None:
         if resident_codec != "raw":
             raise ValueError(f"kv_offload attends to host blocks as they are: use resident_codec='raw' with it "
                              f"(got {resident_codec!r})")
-        if offload.kind == "sparse" and model is None:
+        if offload.mode.kind == "sparse" and model is None:
             raise ValueError("sparse kv_offload picks blocks with each decode step's query: build the cache with "
                              "TieredCache.for_model(loaded, ...) or pass model=")
-        tap = QueryTap.of(model) if offload.kind == "sparse" else None
-        return [OffloadLayer(offload, layout.block_tokens, sink_blocks, recent_blocks,
-                             partial(tap.query, i) if tap else None, page_tokens) for i in range(num_layers)]
+        tap = QueryTap.of(model) if offload.mode.kind == "sparse" else None
+        return [OffloadLayer(offload, partial(tap.query, i) if tap else None) for i in range(num_layers)]
     if resident_codec == "raw":
         return [TieredLayer() for _ in range(num_layers)]
     from kvtier.levers.quantized_cache import QuantizedKVLayer, codec_quantizer

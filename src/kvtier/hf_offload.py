@@ -1,5 +1,5 @@
 """Block-window offload for `TieredCache` (issue 18): each layer holds its KV as the engine holds an
-offloaded sequence's (`engine/offload.py`), so a context larger than the device still decodes.
+offloaded sequence's (`kvtier/offload/`), so a context larger than the device still decodes.
 
 A layer keeps a *window* where the compute is — its first `sink_blocks` blocks (attention sinks) and its
 last `recent_blocks` (the open block and the ones just before it): one device buffer of
@@ -38,8 +38,8 @@ from functools import partial
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtier.config import PAGE_SUMMARY_VECTORS, OffloadMode, sparse_page_tokens
-from kvtier.engine.offload import page_summary, select_pages
+from kvtier.offload.config import PAGE_SUMMARY_VECTORS, OffloadConfig
+from kvtier.offload.pages import page_summary, select_pages
 
 
 class OffloadLayer(CacheLayerMixin):
@@ -50,20 +50,18 @@ class OffloadLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, mode: OffloadMode, block_tokens: int, sink_blocks: int, recent_blocks: int,
-                 query: Callable[[], torch.Tensor] | None = None, page_tokens: int | None = None) -> None:
+    def __init__(self, config: OffloadConfig, query: Callable[[], torch.Tensor] | None = None) -> None:
         super().__init__()
-        if recent_blocks < 1 or sink_blocks < 0:
-            raise ValueError(f"kv_offload keeps at least the open block: recent_blocks >= 1 and sink_blocks >= 0, "
-                             f"got {recent_blocks} and {sink_blocks}")
+        mode = config.mode
+        assert mode is not None, "an OffloadLayer offloads: its config has a mode"
         if mode.kind == "sparse" and query is None:
             raise ValueError("sparse kv_offload scores blocks with each decode step's query: give the layer one")
-        self.mode = mode
-        self.block_tokens, self.sink_blocks, self.recent_blocks = block_tokens, sink_blocks, recent_blocks
-        # sparse's unit: pages of P tokens, P dividing the block (None, or exact: the block); ValueError otherwise
-        self.page_tokens = sparse_page_tokens(page_tokens if mode.kind == "sparse" and page_tokens else block_tokens,
-                                              block_tokens)
-        self.pages_per_block = block_tokens // self.page_tokens
+        self.config, self.mode = config, mode
+        self.block_tokens, self.sink_blocks, self.recent_blocks = (config.block_tokens, config.sink_blocks,
+                                                                   config.recent_blocks)
+        # sparse's unit: pages of P tokens (exact: the block)
+        self.page_tokens = config.page_tokens if mode.kind == "sparse" else config.block_tokens
+        self.pages_per_block = self.block_tokens // self.page_tokens
         self.query = query
         self.num_tokens = 0
         self.num_host_blocks = 0  # logical blocks sink_blocks .. sink_blocks + num_host_blocks - 1
@@ -141,7 +139,7 @@ class OffloadLayer(CacheLayerMixin):
     def _host_end(self, num_tokens: int) -> int:
         """The logical block after the last host block when the context holds `num_tokens` (the engine's
         window: the scheduler's `_window_chunk`, the eval's `SparseWindow.host_blocks`)."""
-        return max(self.sink_blocks, -(-num_tokens // self.block_tokens) - self.recent_blocks)
+        return self.config.host_end(num_tokens)
 
     def nbytes(self) -> int:
         """Device KV: the window buffers (allocated whole at the first update)."""

@@ -87,7 +87,7 @@ def test_fetch_alone_moves_one_exact_steps_bytes_through_the_engines_gathers():
     pieces of a half: the last piece holds exactly its host blocks."""
     import torch
 
-    from kvtier.engine.offload import FetchArea
+    from kvtier.offload.fetch import FetchArea
 
     slots, layers, heads, tokens, dim = 7, 3, 2, 4, 8
     fetch = FetchArea(3, heads, tokens, dim, torch.float32, torch.device("cpu"))

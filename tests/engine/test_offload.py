@@ -14,9 +14,12 @@ from kvtier import models
 from kvtier.codecs import get_codec
 from kvtier.engine import EngineConfig, LLMEngine, SamplingParams
 from kvtier.engine.engine import ContextLengthError, HostRoomError
-from kvtier.engine.offload import (FetchArea, OffloadAttention, OffloadMode, OffloadStats, SeqOffload, attend,
-                                   merge, page_summary, parse_offload, quest_scores, select_blocks,
-                                   select_pages)
+from kvtier.offload.attend import attend, merge
+from kvtier.offload.attention import OffloadAttention, SeqOffload
+from kvtier.offload.config import OffloadMode, parse_offload
+from kvtier.offload.fetch import FetchArea
+from kvtier.offload.pages import page_summary, quest_scores, select_blocks, select_pages
+from kvtier.offload.stats import OffloadStats
 from kvtier.engine.scheduler import SchedulerOutput
 from kvtier.tiers.manager import build_manager
 

@@ -135,7 +135,7 @@ def test_kvtier_eval_bad_snapkv_window_exits_2(capsys):
 def test_every_method_generates_end_to_end_and_reports_its_bytes(tiny_model, name):
     from kvtier.evals.runner import EVICTION_METHODS, full_precision_bytes_per_token, kv_bytes
 
-    from kvtier.engine.offload import parse_offload
+    from kvtier.offload.config import parse_offload
 
     method = Method(name, 0.5 if name in EVICTION_METHODS else None,
                     offload=parse_offload("sparse:1/4") if name == "sparse" else None, block_tokens=16)

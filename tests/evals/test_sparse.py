@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtier.engine import SamplingParams
-from kvtier.engine.offload import parse_offload
+from kvtier.offload.config import parse_offload
 from kvtier.evals.sparse import SparseWindow, decode_mask, sparse_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))

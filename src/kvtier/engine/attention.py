@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvtier.engine import paged_kernel
-from kvtier.engine.offload import OffloadAttention, SeqOffload
+from kvtier.offload.attention import OffloadAttention, SeqOffload
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 

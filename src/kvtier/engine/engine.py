@@ -29,8 +29,11 @@ from kvtier.engine.arena import make_arena
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.limits import check_engine, fetch_half_blocks
 from kvtier.engine.model_runner import ModelRunner, RunOutput
-from kvtier.engine.offload import (FetchArea, HostBlocks, OffloadAttention, OffloadMode, OffloadStats, page_summary,
-                                   parse_offload)
+from kvtier.offload.attention import HostBlocks, OffloadAttention
+from kvtier.offload.config import OffloadMode, parse_offload
+from kvtier.offload.fetch import FetchArea
+from kvtier.offload.pages import page_summary
+from kvtier.offload.stats import OffloadStats
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.transfer import KVTransfer, LoadDone
@@ -116,7 +119,8 @@ class LLMEngine:
         check_engine(self.layout, config, model_config,  # every refusal, as a one-line ConfigError, before building
                      has_host_tier=manager is not None and manager.host_tier() is not None)
         device = next(loaded.model.parameters()).device
-        self.offload_mode = config.offload_mode()
+        self.offload = config.offload_config()  # the settings, parsed once
+        self.offload_mode = self.offload.mode
         self.fetch = self._fetch_area(manager, device) if self.offload_mode is not None else None
         arena_budget = config.device_kv_budget_bytes - (self.fetch.nbytes if self.fetch is not None else 0)
         self.arena = make_arena(self.layout, arena_budget, config.kv_codec, device=device,
@@ -127,7 +131,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks)
         eos_token_ids = _eos_token_ids(loaded.model)
         self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids,
-                                  OffloadAttention(self.fetch, self.layout.num_layers, config.page_tokens)
+                                  OffloadAttention(self.fetch, self.layout.num_layers, self.offload.page_tokens)
                                   if self.fetch is not None else None)
         self.vocab_size = int(self.runner.lm_head.out_features)
         space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
@@ -136,7 +140,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_prefill_tokens=config.max_prefill_tokens,
             max_model_tokens=self.max_model_tokens, eos_token_ids=eos_token_ids,
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
-            offload_window=(config.offload_sink_blocks, config.offload_recent_blocks))
+            offload=self.offload)
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
         self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
                                     synchronous=config.synchronous_transfers) if manager is not None else None)
@@ -153,9 +157,8 @@ class LLMEngine:
         host = manager.host_tier()  # check_engine: there is one
         layout, config = self.layout, self.config
         half = fetch_half_blocks(layout, config)
-        window_tokens = (config.offload_sink_blocks + config.offload_recent_blocks) * layout.block_tokens
         fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
-                          getattr(torch, layout.dtype), device, window_tokens)
+                          getattr(torch, layout.dtype), device, self.offload.window_tokens)
         fetch.host = manager.host_payloads(getattr(torch, layout.dtype), layout.block_shape)
         self.host_slots = host.num_slots
         return fetch
@@ -181,7 +184,7 @@ class LLMEngine:
             seq.host = HostBlocks(mode, need, stats=OffloadStats(mode=str(mode)))
             if mode.kind == "sparse":
                 num_blocks = -(-(len(prompt_token_ids) + sampling.max_tokens) // self.layout.block_tokens)
-                num_pages = self.layout.block_tokens // self.config.page_tokens  # per block
+                num_pages = self.layout.block_tokens // self.offload.page_tokens  # per block
                 seq.host.summaries = torch.zeros((num_blocks, self.layout.num_layers, num_pages,
                                                   self.layout.num_kv_heads, PAGE_SUMMARY_VECTORS,
                                                   self.layout.head_dim),
@@ -216,8 +219,7 @@ class LLMEngine:
         return self.offload_mode if sampling.kv_offload is None else parse_offload(sampling.kv_offload)
 
     def _host_blocks_needed(self, num_tokens: int) -> int:
-        window = self.config.offload_sink_blocks + self.config.offload_recent_blocks
-        return max(0, -(-num_tokens // self.layout.block_tokens) - window)
+        return self.offload.host_blocks_needed(num_tokens)
 
     def _check_host_room(self, need: int) -> None:
         block_bytes = self.layout.block_bytes
@@ -361,7 +363,7 @@ class LLMEngine:
         if slot is None:
             raise RuntimeError(f"host memory could not hold a block of request {seq.request_id}")
         summaries = [] if host.summaries is None else [page_summary(self.arena.k_cache[:, offload.block_id],
-                                                                    self.config.page_tokens)]
+                                                                    self.offload.page_tokens)]
         self._add_host_blocks(host, [slot], [offload.key], summaries)
 
     def _take_host_blocks(self, seq: Sequence, pinned: PinnedInHost) -> None:
@@ -370,7 +372,7 @@ class LLMEngine:
         nothing: the summaries (device memory) are made before any block is taken."""
         host = seq.host
         summaries = [] if host.summaries is None else [
-            page_summary(self.fetch.host[slot][:, 0].to(self.arena.device), self.config.page_tokens)
+            page_summary(self.fetch.host[slot][:, 0].to(self.arena.device), self.offload.page_tokens)
             for slot in pinned.slots]
         self._add_host_blocks(host, pinned.slots, pinned.keys, summaries)
 

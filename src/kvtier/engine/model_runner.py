@@ -15,7 +15,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.engine.arena import Arena
 from kvtier.engine.attention import AttentionMetadata, PagedStep, make_backend, paged_model
-from kvtier.engine.offload import OffloadAttention, SeqOffload, window_positions
+from kvtier.offload.attention import OffloadAttention, SeqOffload, window_positions
 from kvtier.engine.sampler import Penalties, logprobs_of, process_logits, sample
 from kvtier.engine.scheduler import ScheduledChunk
 from kvtier.engine.sequence import TokenLogprob

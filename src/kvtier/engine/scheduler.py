@@ -24,6 +24,7 @@ from kvtier.blocks import KeyChain, KeySpace
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.sequence import Sequence, SeqStatus
 from kvtier.engine.transfer import LoadJob
+from kvtier.offload.config import OffloadConfig
 from kvtier.tiers.manager import PrefixMatch
 
 # keys -> which tier holds each block of the longest prefix held in the tiers (TierManager.match)
@@ -66,7 +67,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, space: KeySpace, *, max_num_seqs: int = 32,
                  max_prefill_tokens: int = 512, max_model_tokens: int = 2048, eos_token_ids: tuple[int, ...] = (),
                  prefix_caching: bool = True, match_tiers: MatchTiers | None = None,
-                 offload_window: tuple[int, int] = (1, 2)) -> None:
+                 offload: OffloadConfig | None = None) -> None:
         self.block_manager = block_manager
         self.space = space
         self.block_tokens = space.layout.block_tokens
@@ -86,8 +87,9 @@ class Scheduler:
         self.prefix_hit_tokens_by_tier: dict[str, int] = {}
         self._newly_full: list[tuple[bytes, int]] = []  # (key, block id) computed since `take_newly_full`
         self._spaces: dict[str, KeySpace] = {}
-        # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (engine/offload.py)
-        self.sink_blocks, self.recent_blocks = offload_window
+        # offloaded sequences keep blocks [0, sink) and the last `recent` on the device (kvtier/offload/)
+        self.offload = offload if offload is not None else OffloadConfig(None, self.block_tokens)
+        self.sink_blocks, self.recent_blocks = self.offload.sink_blocks, self.offload.recent_blocks
         self._unpinned: list[bytes] = []  # host blocks of offloaded sequences that ended or were preempted
 
     # -- requests --------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtier.blocks import KeyChain
-    from kvtier.engine.offload import HostBlocks
+    from kvtier.offload.attention import HostBlocks
 
 # what torch.Generator.manual_seed accepts (negative seeds are mapped onto the unsigned range)
 MIN_SEED, MAX_SEED = -(1 << 63), (1 << 64) - 1
@@ -44,7 +44,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     seed: int | None = None
-    kv_offload: str | None = None  # "off" | "exact" | "sparse:BUDGET"; None: the engine's default (engine/offload.py)
+    kv_offload: str | None = None  # "off" | "exact" | "sparse:BUDGET"; None: the engine's default (kvtier/offload/)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from kvtier.codecs.quant import DEFAULT_GROUP_TOKENS
 from kvtier.config import PAGE_SUMMARY_VECTORS
-from kvtier.engine.offload import OffloadMode, parse_offload
+from kvtier.offload.config import OffloadMode, parse_offload
 from kvtier.errors import UserError
 from kvtier.evals import passkey as pk
 from kvtier.evals import sparse

@@ -1,6 +1,6 @@
 """Sparse offload in `kvtier eval`: the engine's decode-step block selection, over a full cache.
 
-The engine (`engine/offload.py`) keeps an offloaded sequence's first `sink_blocks` blocks and its last
+The engine (`kvtier/offload/`) keeps an offloaded sequence's first `sink_blocks` blocks and its last
 `recent_blocks` (the open block and the one before it) on the device, every full block in between in
 host memory; a block is pages of `page_tokens` (`EngineConfig.offload_page_tokens`, at most the block). At a
 decode step, for each layer and KV head, it scores the host pages (`quest_scores` of the post-RoPE query
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,47 +33,21 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvtier.config import EngineConfig, sparse_page_tokens
-from kvtier.engine.offload import OffloadMode, page_summary, select_pages
+from kvtier.blocks import DEFAULT_BLOCK_TOKENS  # noqa: F401 — the eval's defaults
+from kvtier.offload.config import (DEFAULT_OFFLOAD_PAGE_TOKENS, DEFAULT_RECENT_BLOCKS,  # noqa: F401
+                                   DEFAULT_SINK_BLOCKS, OffloadConfig)
+from kvtier.offload.pages import page_summary, select_pages
 
 ATTN_IMPLEMENTATION = "kvtier_sparse_eval"
 DEFAULT_BUDGETS = "1/32,1/16,1/8,1/4"
 
 
-def _engine_default(name: str) -> int:
-    return next(f.default for f in fields(EngineConfig) if f.name == name)
+# the layout the engine runs by default (`OffloadConfig`'s defaults): what the eval measures unless told otherwise
+# (DEFAULT_BLOCK_TOKENS, DEFAULT_SINK_BLOCKS and DEFAULT_RECENT_BLOCKS, imported above)
+DEFAULT_PAGE_TOKENS = DEFAULT_OFFLOAD_PAGE_TOKENS
 
-
-# the layout the engine runs by default (`EngineConfig`'s fields): what the eval measures unless told otherwise
-DEFAULT_BLOCK_TOKENS = _engine_default("block_tokens")
-DEFAULT_SINK_BLOCKS = _engine_default("offload_sink_blocks")
-DEFAULT_RECENT_BLOCKS = _engine_default("offload_recent_blocks")
-DEFAULT_PAGE_TOKENS = _engine_default("offload_page_tokens")
-
-
-@dataclass(frozen=True, slots=True)
-class SparseWindow:
-    """The engine's offload layout (`EngineConfig.block_tokens` / `offload_sink_blocks` /
-    `offload_recent_blocks` / `offload_page_tokens`, their defaults unless given)."""
-
-    mode: OffloadMode
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-    sink_blocks: int = DEFAULT_SINK_BLOCKS
-    recent_blocks: int = DEFAULT_RECENT_BLOCKS
-    page_tokens: int = DEFAULT_PAGE_TOKENS  # the engine's `EngineConfig.page_tokens`: at most a block
-
-    def __post_init__(self) -> None:  # a page divides the block; a larger one is the block
-        object.__setattr__(self, "page_tokens", sparse_page_tokens(self.page_tokens, self.block_tokens))
-
-    def host_blocks(self, num_tokens: int) -> tuple[int, int]:
-        """Logical blocks [first, end) in host memory while the token at position num_tokens - 1 decodes
-        (the scheduler's `_window_chunk`: the recent window is the open block and the one before it)."""
-        last = -(-num_tokens // self.block_tokens)
-        return self.sink_blocks, max(self.sink_blocks, last - self.recent_blocks)
-
-    @property
-    def window_tokens(self) -> int:
-        return (self.sink_blocks + self.recent_blocks) * self.block_tokens
+# the engine's offload layout (mode, block_tokens, sink_blocks, recent_blocks, page_tokens): its own settings type
+SparseWindow = OffloadConfig
 
 
 @dataclass(slots=True)

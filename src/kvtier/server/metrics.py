@@ -73,7 +73,7 @@ class EngineView:
     step_tier_io_seconds: float = 0.0
     transfer_load_seconds: float = 0.0
     transfer_store_seconds: float = 0.0
-    kv_offload: str = "off"             # contexts larger than the device (engine/offload.py)
+    kv_offload: str = "off"             # contexts larger than the device (kvtier/offload/)
     device_kv_bytes: int = 0            # arena + fetch area, within the budget
     num_offloaded_running: int = 0
     host_kv_bytes: int = 0

@@ -159,7 +159,7 @@ class HostTier:
     def num_leased(self) -> int:
         return len(self._leases)
 
-    # -- resident blocks (engine/offload.py: the live KV of a sequence longer than the device) -------
+    # -- resident blocks (kvtier/offload/: the live KV of a sequence longer than the device) -------
     def pin_resident(self, key: bytes, data: bytes | None) -> tuple[int | None, list[tuple[bytes, bytes | None]]]:
         """Lease `key`'s slot for as long as a running sequence needs it (`release([key])` ends it):
         the block already here is checked by its key-bound header (it never left this process); one

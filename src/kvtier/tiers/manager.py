@@ -446,7 +446,7 @@ class TierManager:
         """Until the pending lower-tier writes have landed."""
         self._writeback.flush()
 
-    # -- resident host memory: the live KV of sequences longer than the device (engine/offload.py) --
+    # -- resident host memory: the live KV of sequences longer than the device (kvtier/offload/) --
     def host_tier(self) -> HostTier | None:
         """This process's DRAM tier (the top one), if there is one: the host memory offload uses."""
         top = self.tiers[0]

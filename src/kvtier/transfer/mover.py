@@ -13,7 +13,7 @@
   several threads) passes it as `copies`: the mover finishes it before any lease ends, and a failed
   copy restores nothing (logged, counted; the destination may be half-written, the caller computes).
 - host (`pin_in_host(match)`): the middle blocks of a sequence longer than the device live in this
-  process's DRAM slots, encoded as the DRAM tier keeps them (`engine/offload.py`). The same stream,
+  process's DRAM slots, encoded as the DRAM tier keeps them (`kvtier/offload/`). The same stream,
   no decode: a block DRAM holds is pinned where it is; one read from below (its payload proven) is
   stored into a slot, not written back down, and pinned there (`TierManager.pin_host`).
 - save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into

@@ -1,0 +1,44 @@
+"""Sparse offload's page selection (Quest): a summary of each page's keys, each page's score for a decode
+query, the top pages of each KV head. The engine, `TieredCache` (`hf_offload`) and the sparse eval pick with these."""
+
+from __future__ import annotations
+
+import torch
+
+# a page's score: this much of Quest's bound, the rest the query against the page's mean key
+# (docs/benchmarks/quality.md, issue 18: over 3 windows at sparse:1/8, Quest's bound alone +2.44% ppl at 4k /
+# +2.29% at 8k, the mean alone +2.77 / +2.30%, half and half +1.93 / +0.91% — an oracle ranking pages by
+# attention mass +1.51 / +0.98%)
+BOUND_WEIGHT = 0.5
+
+
+def page_summary(k_block: torch.Tensor, page_tokens: int) -> torch.Tensor:
+    """k_block [L, H, T, D] -> [L, T / P, H, 3, D]: per-channel min, max (Quest's box) and mean over each page
+    of P tokens (`config.PAGE_SUMMARY_VECTORS` vectors)."""
+    l, h, t, d = k_block.shape
+    pages = k_block.reshape(l, h, t // page_tokens, page_tokens, d).transpose(1, 2)  # [L, pages, H, P, D]
+    return torch.stack([pages.amin(dim=3), pages.amax(dim=3), pages.mean(dim=3)], dim=3)
+
+
+def quest_scores(summary: torch.Tensor, q: torch.Tensor, bound_weight: float = BOUND_WEIGHT) -> torch.Tensor:
+    """Each page's score: summary [n, H, 3, D] (key min, max, mean), q [H, G, D] (a KV head's group of query
+    heads, one query) -> [n, H], for each KV head the largest in its group of
+    `bound_weight` x Quest's bound of q.k over the page (the most any of its keys can score)
+    + (1 - bound_weight) x q . its mean key (what its keys score on average)."""
+    bound = torch.maximum(q[None] * summary[:, :, None, 0], q[None] * summary[:, :, None, 1]).sum(-1)  # [n, H, G]
+    if bound_weight != 1.0:
+        mean = (q[None] * summary[:, :, None, 2]).sum(-1)
+        bound = bound_weight * bound + (1.0 - bound_weight) * mean
+    return bound.amax(-1)
+
+
+def select_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best of each KV head, scores [n, H] -> indices [k, H] in context order."""
+    return scores.topk(k, dim=0).indices.sort(dim=0).values
+
+
+def select_pages(summaries: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tensor:
+    """The pick over n blocks' pages: summaries [n, pages, H, 3, D] (`page_summary` of each block),
+    q [H, G, D] -> the k best pages of each KV head [k, H] in context order, as block * pages + page."""
+    n, pages = summaries.shape[:2]
+    return select_blocks(quest_scores(summaries.reshape(n * pages, *summaries.shape[2:]), q), k)
