@@ -34,7 +34,7 @@ def test_blocks_round_trip_through_the_side_stream_bit_exactly(tmp_path, dtype, 
                             async_writes=False)
     workers = []
     for _ in range(2):
-        worker = WorkerSide(layout, get_codec("raw"), manager, max_pending_saves=4)
+        worker = WorkerSide(layout, get_codec("raw"), manager)
         kv = caches(dtype)
         worker.register(kv, lambda name: int(name.split(".")[2]), "cells")
         workers.append((worker, kv))

@@ -157,7 +157,7 @@ def _tier_spec(tier: str, tmp_path, request) -> str:
 
 
 def _worker(layout: KVLayout, manager, caches: dict[str, torch.Tensor], page: str) -> WorkerSide:
-    worker = WorkerSide(layout, get_codec("raw"), manager, max_pending_saves=4)
+    worker = WorkerSide(layout, get_codec("raw"), manager)
     worker.register(caches, lambda name: int(name.split(".")[2]), page)
     return worker
 

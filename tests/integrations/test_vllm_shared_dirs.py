@@ -36,7 +36,7 @@ def sides(tmp_path):
                               block_bytes=BLOCK_BYTES)
     worker_manager = TierManager([make_tier(spec, slot_bytes=BLOCK_BYTES, owner=False)], async_writes=False)
     stores = {tier.name: tier for tier in worker_manager.tiers if isinstance(tier, DiskStore)}
-    worker = WorkerSide(LAYOUT, get_codec("raw"), worker_manager, max_pending_saves=4, stores=stores)
+    worker = WorkerSide(LAYOUT, get_codec("raw"), worker_manager, stores=stores)
     caches = {name: torch.randn(NUM_BLOCKS, H, T, 2 * D) for name in NAMES}
     worker.register(caches, lambda name: int(name.split(".")[2]))
     yield scheduler, worker, stores["ssd"]

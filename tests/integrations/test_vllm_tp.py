@@ -51,7 +51,7 @@ def test_a_block_is_a_hit_only_when_every_rank_holds_its_shard(manager):
 
 def rank_worker(manager) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     caches = {name: torch.randn(NUM_BLOCKS, H_RANK, T, 2 * D) for name in NAMES}  # CPU planes, this rank's heads
-    worker = WorkerSide(LAYOUT, get_codec("raw"), manager, max_pending_saves=4)
+    worker = WorkerSide(LAYOUT, get_codec("raw"), manager)
     worker.register(caches, lambda name: int(name.split(".")[2]))
     return worker, caches
 

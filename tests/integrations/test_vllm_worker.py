@@ -24,7 +24,7 @@ def layer_index(name: str) -> int:
 
 def new_worker(manager) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     caches = {name: torch.randn(NUM_BLOCKS, H, T, 2 * D) for name in NAMES}  # the CPU backend's layer shape
-    worker = WorkerSide(LAYOUT, get_codec("raw"), manager, max_pending_saves=4)
+    worker = WorkerSide(LAYOUT, get_codec("raw"), manager)
     worker.register(caches, layer_index)
     return worker, caches
 

@@ -120,19 +120,26 @@ def test_pin_in_host_stops_where_dram_has_no_slot_left(tmp_path):
     manager.close()
 
 
-def test_saves_go_through_one_queue_and_a_full_one_drops(manager):
+def test_saves_go_through_the_one_writer_and_a_full_one_drops(tmp_path):
+    """One queue for saves, write-through and promotions (the manager's writer): a save's put writes
+    through on that thread, and a full queue drops the save, counted once for the process."""
+    manager = TierManager([HostTier(8 * SLOT, SLOT), DiskTier(tmp_path, 64 * SLOT)], max_pending_writes=1)
     gate = threading.Event()
     put = manager.put_many
     manager.put_many = lambda items: gate.wait(30) and put(items)
-    mover = BlockMover(manager, CODEC, max_pending_saves=1)
+    mover = BlockMover(manager, CODEC, layout=LAYOUT)
     keys = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(12)))
-    assert mover.save(keys[:1], BLOCKS[:1])  # taken by the save thread, stuck in put_many
+    assert mover.save(keys[:1], BLOCKS[:1])  # taken by the writer thread, stuck in put_many
     deadline = threading.Event()
-    while mover._saves.qsize():
+    while manager._writeback._queue.qsize():
         deadline.wait(0.01)
     assert mover.save(keys[1:2], BLOCKS[1:2])  # queued
     assert not mover.save(keys[2:3], BLOCKS[2:3])  # the queue is full: dropped, never blocks
     gate.set()
     mover.close()
     assert (mover.stats.num_blocks_saved, mover.stats.num_blocks_dropped) == (2, 1)
+    assert manager.num_dropped_writes == 1 and manager.num_pending_writes == 0
     assert manager.contains_many(keys[:3]) == [True, True, False]
+    ssd = manager.tiers[1]
+    assert ssd.contains_many(keys[:2]) == [True, True]  # written through on the writer thread, no second queue
+    manager.close()

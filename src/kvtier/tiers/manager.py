@@ -442,8 +442,20 @@ class TierManager:
         # a block write-through placed below comes back as its key alone: nothing to demote
         self._writeback.submit([(key, data) for key, data in evicted if data is not None], through=False)
 
+    def write_later(self, job, *, blocks: int) -> bool:
+        """Run `job()` on the process's one writer thread (`writeback.py`), after what is queued: a save
+        of `blocks` blocks (`BlockMover.save`), whose put then writes through on that thread. False: no
+        writer thread (`async_writes=False`: the caller runs it) or its queue is full (dropped, counted in
+        `num_dropped_writes`)."""
+        return self._writeback.run_later(job, blocks=blocks)
+
+    @property
+    def has_writer_thread(self) -> bool:
+        return self._writeback.threaded
+
     def flush(self) -> None:
-        """Until the pending lower-tier writes have landed."""
+        """Until the pending writes have landed: saves handed to `write_later`, write-through, demotions,
+        promotions."""
         self._writeback.flush()
 
     # -- resident host memory: the live KV of sequences longer than the device (kvtier/offload/) --

@@ -1,11 +1,14 @@
 """Write-back: the tier stack's writes below the top tier, off the compute path, on one queue.
 
-Two kinds of batches go down the same queue (and, in between, the promotions of blocks a read fetched
-from below into the top tier: `run_later`, off the reader's critical path): write-through (every block put
-into the top tier, so a second process on the same SSD or pool sees it) and demotion (a block the top tier
-evicted that no lower tier holds yet). Once write-through has placed a batch below, the top tier is told
-(`placed_below`): its later eviction returns the key alone — no bytes copied out, no lookup below.
-A full queue drops the batch (counted): the compute path never waits on a slow tier.
+This is the process's one writer: one queue, one thread, one bound, one drop counter. Down it go the
+saves an engine hands off (`run_later(job, blocks=n)`: `BlockMover.save` — encode, then the manager's put),
+the promotions of blocks a read fetched from below into the top tier (`run_later`, off the reader's critical
+path), write-through (every block put into the top tier, so a second process on the same SSD or pool sees
+it) and demotion (a block the top tier evicted that no lower tier holds yet). A put made on the writer
+thread itself (a save's) writes through and demotes there and then: no second queue. Once write-through has
+placed a batch below, the top tier is told (`placed_below`): its later eviction returns the key alone — no
+bytes copied out, no lookup below. A full queue drops the batch (counted in blocks): the compute path never
+waits on a slow tier.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class WriteBack:
         self._guarded = guarded
         self.num_dropped = 0
         self._queue: queue.Queue | None = None
-        if threaded and len(tiers) > 1:
+        if threaded:  # even over one tier: the saves run here
             self._queue = queue.Queue(max_pending)
             self._thread = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
             self._thread.start()
@@ -36,7 +39,7 @@ class WriteBack:
         placed below), else a demotion of blocks it evicted."""
         if len(self.tiers) < 2 or not items:
             return
-        if self._queue is None:
+        if self._queue is None or self.on_writer_thread():  # a save's put: write through now, in its job
             self._write(items, through)
             return
         try:
@@ -44,15 +47,24 @@ class WriteBack:
         except queue.Full:  # never block the compute path on a slow tier
             self.num_dropped += len(items)
 
-    def run_later(self, fn) -> bool:
-        """Run `fn()` on the writer thread, after the writes queued before it; False where there is no
-        writer thread or its queue is full (the caller runs it itself)."""
+    @property
+    def threaded(self) -> bool:
+        return self._queue is not None
+
+    def on_writer_thread(self) -> bool:
+        return self._queue is not None and threading.current_thread() is self._thread
+
+    def run_later(self, fn, *, blocks: int = 0) -> bool:
+        """Run `fn()` on the writer thread, after what was queued before it. False where there is no
+        writer thread or its queue is full: the caller runs it itself (a promotion), or drops it (a save
+        of `blocks` blocks, counted here)."""
         if self._queue is None:
             return False
         try:
             self._queue.put_nowait(fn)
             return True
         except queue.Full:
+            self.num_dropped += blocks
             return False
 
     def _drain(self) -> None:

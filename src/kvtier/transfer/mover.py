@@ -16,16 +16,18 @@
   process's DRAM slots, encoded as the DRAM tier keeps them (`kvtier/offload/`). The same stream,
   no decode: a block DRAM holds is pinned where it is; one read from below (its payload proven) is
   stored into a slot, not written back down, and pinned there (`TierManager.pin_host`).
-- save (`save(keys, blocks)`): one queue and one thread encode (checksum) and put full blocks into
-  the manager, off the caller's step; a full queue drops the save (a future miss, counted).
-  `synchronous=True` runs each save on the caller's thread; `on_thread_start` runs first on the save
-  thread (vLLM's CPU worker: `integrations/vllm/cpus.py`).
+- save (`save(keys, blocks)`): the encode (checksum) and the manager's put of full blocks run off the
+  caller's step, as a job on the process's one writer (`TierManager.write_later`, `tiers/writeback.py`),
+  where the put writes through to the lower tiers at once: one queue, one bound, one drop counter for
+  saves, write-through, demotion and promotion. A full queue drops the save (a future miss, counted).
+  `synchronous=True` (or a manager without a writer thread) runs each save on the caller's thread;
+  `on_thread_start` runs once on the writer thread before its first save (vLLM's CPU worker:
+  `integrations/vllm/cpus.py`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -90,22 +92,18 @@ class _Save:
 
 class BlockMover:
     """Restores and saves for one engine. `layout`: restored blocks must have its shape and dtype.
-    `max_pending_saves`: the save queue's bound (0: unbounded)."""
+    The save queue is the manager's writer (its bound is the manager's `max_pending_writes`)."""
 
     def __init__(self, manager: TierManager, codec: Codec, *, layout: KVLayout | None = None,
-                 max_pending_saves: int = 0, synchronous: bool = False,
-                 on_thread_start: Callable[[], None] | None = None) -> None:
+                 synchronous: bool = False, on_thread_start: Callable[[], None] | None = None) -> None:
         self.manager = manager
         self.codec = codec
         self.layout = layout
         self.stats = MoverStats()
         self._lock = threading.Lock()  # the stats: restores and saves run on different threads
-        self._saves: queue.Queue | None = None
-        if not synchronous:
-            self._saves = queue.Queue(max_pending_saves)
-            self._saver = threading.Thread(target=self._drain, args=(on_thread_start,), name="kvtier-save",
-                                           daemon=True)
-            self._saver.start()
+        self._synchronous = synchronous or not manager.has_writer_thread
+        self._on_thread_start = on_thread_start
+        self._started: set[int] = set()  # writer threads that ran `on_thread_start`
 
     # -- restore -------------------------------------------------------------------------------------
     def restore(self, match: PrefixMatch, sink: BlockSink, *, copies: CopyGroup | None = None) -> Restored:
@@ -204,30 +202,24 @@ class BlockMover:
     def save(self, keys: list[bytes], blocks: Sequence[torch.Tensor], *, skip_held: bool = False) -> bool:
         """Encode `blocks` (each [L, 2, H, T, D], the block `keys[i]` names) and put them down the
         tiers, off the caller's thread. `skip_held`: first ask the tiers, write only what none holds.
-        False: the queue was full and the save is dropped (counted)."""
+        False: the writer's queue was full and the save is dropped (counted)."""
         if not keys:
             return True
         job = _Save(list(keys), blocks, skip_held)
-        if self._saves is None:
+        if self._synchronous:
             self._save(job)
             return True
-        try:
-            self._saves.put_nowait(job)
+        if self.manager.write_later(lambda: self._save_on_writer(job), blocks=len(job.keys)):
             return True
-        except queue.Full:  # never stall a step on write-back
-            with self._lock:
-                self.stats.num_blocks_dropped += len(job.keys)
-            return False
+        with self._lock:  # never stall a step on write-back
+            self.stats.num_blocks_dropped += len(job.keys)
+        return False
 
-    def _drain(self, on_thread_start: Callable[[], None] | None) -> None:
-        if on_thread_start is not None:
-            on_thread_start()  # e.g. where the save thread runs beside an engine's forward
-        while (job := self._saves.get()) is not None:
-            try:
-                self._save(job)
-            finally:
-                self._saves.task_done()
-        self._saves.task_done()
+    def _save_on_writer(self, job: _Save) -> None:
+        if self._on_thread_start is not None and threading.get_ident() not in self._started:
+            self._started.add(threading.get_ident())
+            self._on_thread_start()  # e.g. where the writer runs beside an engine's forward
+        self._save(job)
 
     def _save(self, job: _Save) -> None:
         start = time.perf_counter()
@@ -250,13 +242,10 @@ class BlockMover:
             self.stats.save_seconds += time.perf_counter() - start
 
     def wait_saves(self) -> None:
-        """Until every queued save is in the manager (its own lower-tier writes may still be pending)."""
-        if self._saves is not None:
-            self._saves.join()
+        """Until every save handed over is in the tiers (the writer's queue drained: write-through too)."""
+        if not self._synchronous:
+            self.manager.flush()
 
     def close(self) -> None:
-        if self._saves is not None:
-            self.wait_saves()
-            self._saves.put(None)
-            self._saver.join(timeout=30)
-            self._saves = None
+        """The saves handed over land first; the writer itself is the manager's (closed with it)."""
+        self.wait_saves()

@@ -29,7 +29,7 @@ class ConnectorConfig:
     tiers: tuple[TierSpec, ...]     # strings are parsed (`TierSpec.parse`)
     codec: str = "raw"
     fingerprint: str | None = None  # names the weights; default: derived from the model (directory)
-    max_pending_saves: int = 256    # batches of blocks queued for the tiers; past it a save is dropped
+    max_pending_saves: int = 256    # jobs queued on the worker's one writer (saves, write-through); past it a save is dropped
     # "layerwise": the load runs with the request's first forward, each layer waited for just before use;
     # "async": a request waits (WAITING_FOR_REMOTE_KVS) until its whole load landed, the engine steps on.
     # Layerwise is the default: it measured the better TTFT in `kvtier bench vllm` (docs/benchmarks/vllm.md).

@@ -99,10 +99,9 @@ class KvtierConnector(KVConnectorBase_V1):
             with threads_started_off_forward() as cpus:  # every tier, save and load thread: off the forward's core
                 # its directories are plain file stores: the scheduler's index decides what they keep
                 self._manager = TierManager([make_tier(spec, slot_bytes=slot_bytes, owner=False)
-                                             for spec in config.tiers])
+                                             for spec in config.tiers], max_pending_writes=config.max_pending_saves)
                 stores = {tier.name: tier for tier in self._manager.tiers if isinstance(tier, DiskStore)}
-                self._worker = WorkerSide(self._space.layout, codec, self._manager, stores=stores,
-                                          max_pending_saves=config.max_pending_saves, transfer_cpus=cpus)
+                self._worker = WorkerSide(self._space.layout, codec, self._manager, stores=stores, transfer_cpus=cpus)
         # --kv-events-config: the tiers' blocks announced with vLLM's own (`kv_events.py`), from both sides
         self._scheduler_events: SchedulerEvents | None = None
         self._worker_events: WorkerEvents | None = None

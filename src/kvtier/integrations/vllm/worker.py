@@ -111,17 +111,17 @@ class _LayerwiseLoad:
 
 
 class WorkerSide:
-    def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *, max_pending_saves: int,
+    def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *,
                  transfer_cpus: set[int] | None = None, stores: dict[str, DiskStore] | None = None) -> None:
         """`transfer_cpus`: where the load and save threads run their copies (`cpus.py`; None: anywhere).
+        Saves queue on the manager's writer (its `max_pending_writes` bounds them).
         `stores`: the directories among the manager's tiers, by tier name, that delete what the scheduler evicts."""
         self.layout = layout
         self.codec = codec
         self.manager = manager
         self._stores = stores or {}
         on_thread_start = partial(run_torch_here, transfer_cpus)
-        self.mover = BlockMover(manager, codec, layout=layout, max_pending_saves=max_pending_saves,
-                                on_thread_start=on_thread_start)
+        self.mover = BlockMover(manager, codec, layout=layout, on_thread_start=on_thread_start)
         self._saves_seen = MoverStats()  # the mover's save counters already reported by take_stats
         self._views: list[torch.Tensor] = []  # per layer: [num_blocks, 2, H, T, D]
         self._layer_of: dict[str, int] = {}   # vLLM layer name -> index into _views
