@@ -34,6 +34,17 @@ def request(req_id: str, token_ids: list[int]):
                            num_computed_tokens=0)
 
 
+def test_a_blocks_rank_keys_are_derived_once():
+    from kvtier.integrations.vllm.trackers import _shard_key
+
+    keys = block_keys(SPACE, list(range(900, 920)))  # blocks no other test names
+    first = _shard_key.cache_info().misses
+    once = shard_keys(keys, 1, WORLD)
+    assert _shard_key.cache_info().misses == first + len(keys)
+    assert shard_keys(keys, 1, WORLD) == once  # asked again (each lookup, each step): no new derivation
+    assert _shard_key.cache_info().misses == first + len(keys)
+
+
 def test_a_block_is_a_hit_only_when_every_rank_holds_its_shard(manager):
     tokens = list(range(200, 222))  # 5 full blocks (4 offered: the last token is computed)
     keys = block_keys(SPACE, tokens)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import xxhash
 
@@ -49,7 +50,13 @@ def shard_keys(keys: list[bytes], rank: int, world_size: int) -> list[bytes]:
     if world_size == 1:
         return keys
     tag = f"/tp{rank}of{world_size}".encode()
-    return [xxhash.xxh3_128(key + tag).digest() for key in keys]
+    return [_shard_key(key, tag) for key in keys]
+
+
+@lru_cache(maxsize=1 << 16)
+def _shard_key(key: bytes, tag: bytes) -> bytes:
+    """Derived once per block and rank (the scheduler's lookups and every step's records ask again)."""
+    return xxhash.xxh3_128(key + tag).digest()
 
 
 def for_rank(specs: list, rank: int, world_size: int) -> list:
