@@ -7,7 +7,8 @@ the last layer's copy event only, before the slab goes to the writer thread.
 Loads (host -> device): verified blocks are packed into a reused pinned buffer (a CPU memcpy on the loader
 thread), copied up on the side stream (`non_blocking`) and scattered into the cache (`index_put_`) there; an
 event per layer is recorded, and the compute stream waits for layer l's event just before its attention
-(`wait_layer`: a stream wait, the host does not block). Nothing here calls `.numpy()` or `.item()` on a
+(`wait_layer`: a stream wait, the host does not block). An async load's block goes up the same way, every
+layer at once (`copy_block_in`), the loader thread waiting for it. Nothing here calls `.numpy()` or `.item()` on a
 device tensor. On a CPU cache the same calls run synchronously (used by the tests here).
 """
 
@@ -80,6 +81,26 @@ class DeviceCopies:
             done.record(self.stream)
             done.synchronize()  # the loader thread (not the forward) waits: the next layer reuses the buffer
         self._load_events[layer] = done
+
+    def copy_block_in(self, views: list[torch.Tensor], block_id: int, block: torch.Tensor) -> None:
+        """views[l][block_id] = block[l] for every layer (an async load: nothing reads the block before
+        the load is reported, so this returns once its copies have landed)."""
+        if not self.cuda:
+            for layer, view in enumerate(views):
+                view[block_id].copy_(block[layer])
+            return
+        num_bytes = block.numel() * block.dtype.itemsize
+        if self._pinned_buf.numel() < num_bytes:
+            self._pinned_buf = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(self.stream):
+            staged = self._pinned_buf[:num_bytes].view(block.dtype).view(block.shape)
+            staged.copy_(block)
+            device_block = staged.to(self.device, non_blocking=True)
+            for layer, view in enumerate(views):
+                view[block_id].copy_(device_block[layer], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()  # the loader thread waits (the next block reuses the buffer), not the forward
 
     def wait_layer(self, layer: int) -> None:
         """The compute stream waits for layer `layer`'s load (no host wait)."""

@@ -60,17 +60,16 @@ class _StepSave:
     layers_done: list[bool]
 
 
+@dataclass(slots=True)
 class _BlockWrites:
     """Async loads' sink: each verified block written into its device block, every layer, at once."""
 
-    def __init__(self, views: list[torch.Tensor], block_ids: list[int]) -> None:
-        self.views = views
-        self.block_ids = block_ids
+    views: list[torch.Tensor]
+    copies: DeviceCopies
+    block_ids: list[int]
 
     def write(self, index: int, block: torch.Tensor) -> None:
-        block_id = self.block_ids[index]
-        for layer, view in enumerate(self.views):  # block: [L, 2, H, T, D]; view[block_id]: [2, H, T, D]
-            view[block_id].copy_(block[layer])
+        self.copies.copy_block_in(self.views, self.block_ids[index], block)  # block: [L, 2, H, T, D]
 
 
 @dataclass(slots=True)
@@ -157,7 +156,7 @@ class WorkerSide:
         start = time.perf_counter()
         tiers: list[str] = []
         try:
-            tiers = self.mover.restore(self._located(spec), _BlockWrites(self._views, spec.block_ids)).tiers
+            tiers = self.mover.restore(self._located(spec), _BlockWrites(self._views, self._copies, spec.block_ids)).tiers
         except Exception:  # noqa: BLE001 - a load never fails a request: what did not load is recomputed
             log.exception("kvtier: load of %d blocks for %s failed; recomputing", len(spec.keys), spec.req_id)
         failed = self._account(spec, tiers, time.perf_counter() - start)
