@@ -164,18 +164,18 @@ def _prefix_keys(loaded, ids: torch.Tensor, block_tokens: int) -> list[bytes]:
 
 def _arena_restore(loaded, manager, ids: torch.Tensor, block_tokens: int):
     """The engine's restore of the same prefix, as an idle engine loads it (`copy_threads()`: no forward beside it):
-    `KVTransfer` (the block mover) streams the verified blocks from the tier into a paged `RawArena` (allocated
+    `TierIO` (the block mover) streams the verified blocks from the tier into a paged `RawArena` (allocated
     once and zeroed, as the engine's is). Returns a function that
     restores once and gives its seconds, after checking every block came and the first holds exactly
     what the tier stored."""
     from kvtier.codecs import get_codec
     from kvtier.engine.arena import RawArena
-    from kvtier.engine.transfer import KVTransfer, LoadJob
+    from kvtier.engine.tier_io import LoadJob, TierIO
 
     keys = _prefix_keys(loaded, ids, block_tokens)
     arena = RawArena(loaded.kv_layout(block_tokens), len(keys), torch.device("cpu"))
     codec = get_codec("raw")
-    transfer = KVTransfer(manager, codec, write_block=arena.write_block, synchronous=True)
+    transfer = TierIO(manager, codec, write_block=arena.write_block, synchronous=True)
 
     def restore() -> float:
         start = time.perf_counter()

@@ -2,7 +2,7 @@
 
 The engine is the only caller of the tier manager while serving. The step thread only asks the
 tiers which blocks they hold (`TierManager.match`, at admission); every read, verify, decode, encode
-and write runs on the transfer worker (`engine/transfer.py`). Each block goes down once, as soon as
+and write runs on the transfer worker (`engine/tier_io.py`). Each block goes down once, as soon as
 it is full and computed (`tier_writes="full"`, so another server sharing a pool sees a prefix while
 this one still holds it), or when the device evicts it (`"evict"`); prefix blocks come back up while
 their sequence waits in WAITING_FOR_KV, and `step()` polls the finished loads into the arena.
@@ -36,7 +36,7 @@ from kvtier.offload.pages import page_summary
 from kvtier.offload.stats import OffloadStats
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
-from kvtier.engine.transfer import KVTransfer, LoadDone
+from kvtier.engine.tier_io import LoadDone, TierIO
 from kvtier.transfer import PinnedInHost
 from kvtier.transfer.copies import copy_threads
 
@@ -142,8 +142,8 @@ class LLMEngine:
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
             offload=self.offload)
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
-        self.transfer = (KVTransfer(manager, self.codec, write_block=write_block,
-                                    synchronous=config.synchronous_transfers) if manager is not None else None)
+        self.transfer = (TierIO(manager, self.codec, write_block=write_block,
+                                synchronous=config.synchronous_transfers) if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self.step_tier_io_seconds = 0.0
         self.num_tokens_computed = 0

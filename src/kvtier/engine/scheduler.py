@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from kvtier.blocks import KeyChain, KeySpace
 from kvtier.engine.block_manager import BlockManager
 from kvtier.engine.sequence import Sequence, SeqStatus
-from kvtier.engine.transfer import LoadJob
+from kvtier.engine.tier_io import LoadJob
 from kvtier.offload.config import OffloadConfig
 from kvtier.tiers.manager import PrefixMatch
 

@@ -1,4 +1,4 @@
-"""`KVTransfer`: the engine's tier I/O, off the step thread — a thin user of `kvtier.transfer.BlockMover`.
+"""`TierIO`: the engine's tier I/O, off the step thread — a thin user of `kvtier.transfer.BlockMover`.
 
 The scheduler decides *what* moves (it matches a prompt's blocks in the tiers — pinning them there
 until the load has read them — allocates device blocks for the hits and parks the sequence in
@@ -13,7 +13,7 @@ engine supplies only the destination write:
   only polls finished loads; a block is registered in the device prefix cache once its KV is really
   there. An arena whose block writes touch state a forward uses (the quantized formats) gets the
   decoded blocks back, still leased, for the step thread to copy before the next forward
-  (`KVTransfer(write_block=None)`). A load of an offloaded sequence (longer than the device) also
+  (`TierIO(write_block=None)`). A load of an offloaded sequence (longer than the device) also
   holds the blocks after its sink blocks in DRAM slots (`LoadJob.host_match`, `BlockMover.pin_in_host`:
   read from below once, stored and pinned there), once its device blocks are all in; the step thread
   takes the slots from the `LoadDone` (or unpins them, for a request that ended meanwhile);
@@ -97,7 +97,7 @@ class _Kept(list):
         self.append(block)
 
 
-class KVTransfer:
+class TierIO:
     """One load thread (and the mover's save thread) between the engine and the tier manager.
     `write_block(block_id, kv, copies)` puts a decoded block into its device block, its host copies
     handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy).
