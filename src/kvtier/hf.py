@@ -49,7 +49,7 @@ from kvtier.offload.config import (DEFAULT_OFFLOAD_PAGE_TOKENS, DEFAULT_RECENT_B
                                    OffloadConfig, OffloadMode, parse_offload)
 from kvtier.offload.stats import OffloadStats
 from kvtier.hf_offload import OffloadLayer, QueryTap
-from kvtier.transfer import BlockMover
+from kvtier.transfer import BlockMover, KeptBlocks
 from kvtier.transfer.copies import CopyGroup, copy_threads
 
 _MIN_CAPACITY_TOKENS = 256
@@ -102,13 +102,6 @@ class _TokenOffsets:
 
     def write(self, index: int, block: torch.Tensor) -> None:
         self.copy(block, index * self.block_tokens)
-
-
-class _Kept(list):
-    """A sink that keeps the restored blocks (valid until the restore ends)."""
-
-    def write(self, index: int, block: torch.Tensor) -> None:
-        self.append(block)
 
 
 class TieredLayer(DynamicLayer):
@@ -376,7 +369,7 @@ class TieredCache(Cache):
     def _fill_quantized(self, match) -> list[str]:
         """Quantized resident layers quantize whole groups as they take them (the rest stays exact):
         each layer takes the whole prefix at once."""
-        blocks = _Kept()
+        blocks = KeptBlocks()
         with self.mover.restoring(match, blocks) as restored:  # the blocks stay valid inside the `with`
             device = self._compute_device()
             for layer_idx, layer in enumerate(self.layers if blocks else []):

@@ -38,7 +38,7 @@ import torch
 
 from kvtier.codecs import Codec
 from kvtier.tiers.manager import PrefixMatch, TierManager
-from kvtier.transfer import BlockMover, PinnedInHost
+from kvtier.transfer import BlockMover, KeptBlocks, PinnedInHost
 from kvtier.transfer.copies import CopyGroup
 
 log = logging.getLogger(__name__)
@@ -88,13 +88,6 @@ class _DeviceBlocks:
 
     def write(self, index: int, block: torch.Tensor) -> None:
         self.write_block(self.block_ids[index], block, self.copies)
-
-
-class _Kept(list):
-    """The sink of arenas written on the step thread: the decoded blocks, kept (still leased)."""
-
-    def write(self, index: int, block: torch.Tensor) -> None:
-        self.append(block)
 
 
 class TierIO:
@@ -228,7 +221,7 @@ class TierIO:
 
     def _decode_load(self, job: LoadJob) -> LoadDone:
         """The decoded blocks, still leased (DRAM blocks stay in place), for the step thread to copy."""
-        kept = _Kept()
+        kept = KeptBlocks()
         held = ExitStack()
         restored = held.enter_context(self.mover.restoring(job.match, kept))
         return LoadDone(job.request_id, job.block_ids, restored.tiers, blocks=list(kept), release=held.close)

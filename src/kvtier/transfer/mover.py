@@ -51,6 +51,14 @@ class BlockSink(Protocol):
         ends (a sink may keep it and write later, layer by layer). Raising ends the restore there."""
 
 
+class KeptBlocks(list):
+    """A sink that keeps the restored blocks, in order (each valid until the restore ends): for a caller
+    that copies them itself once they are all in (an arena written on the step thread, a cache's layers)."""
+
+    def write(self, index: int, block: torch.Tensor) -> None:
+        self.append(block)
+
+
 @dataclass(slots=True)
 class Restored:
     """What a restore put into the destination: the first `len(tiers)` blocks of the match."""
