@@ -56,3 +56,23 @@ def test_double_free_is_caught():
     bm.release([b])
     with pytest.raises(AssertionError):
         bm.release([b])
+
+
+def test_a_watcher_sees_registrations_with_their_origin_and_evictions_in_order():
+    from kvtier.engine.block_manager import BlockEvent, BlockOrigin
+
+    bm = BlockManager(2)
+    log = bm.watch(max_events=3)
+    ids = [bm.allocate()[0] for _ in range(2)]
+    origins = [BlockOrigin(None, (1, 2), "tenant"), BlockOrigin(K[0], (3, 4), "tenant")]
+    for b, key, origin in zip(ids, K, origins):
+        assert bm.register(b, key, origin)
+    assert bm.register(ids[0], K[0], origins[0])  # the same name again: nothing new
+    bm.release(ids)
+    assert log.take() == [BlockEvent(K[0], origins[0]), BlockEvent(K[1], origins[1])]
+    bm.allocate(), bm.allocate()  # both evicted, the tail first
+    assert log.take() == [BlockEvent(K[1], None), BlockEvent(K[0], None)]
+    assert log.take() == [] and log.num_dropped == 0
+    for i in range(5):  # a watcher that falls behind loses the oldest, counted
+        log.append(BlockEvent(K[i], None))
+    assert [e.key for e in log.take()] == K[2:5] and log.num_dropped == 2

@@ -7,11 +7,60 @@ A block is in exactly one of three states:
 - free: ref 0 and nothing worth keeping.
 Reusing a cached-free block *evicts* it: `allocate` hands back its (key, block id) so the engine
 can write the KV to the tiers before the block is overwritten.
+
+`watch()` hands out a log of what enters the prefix cache (`register`: a block named by its key, with
+the parent, tokens and namespace it was hashed from) and what leaves it (evicted), for a watcher on
+another thread (`kvtier serve --kv-events-config`). Unwatched, `events` is None and costs nothing more.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+MAX_EVENTS = 100_000  # a watcher that falls this far behind loses the oldest (counted)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockOrigin:
+    """What a block's key was hashed from: the previous block's key (None: a sequence's first block),
+    the block's tokens and the key space's namespace (the request's cache_salt)."""
+
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    namespace: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """`key` entered the device prefix cache (`origin` set) or was evicted from it (`origin` None)."""
+
+    key: bytes
+    origin: BlockOrigin | None
+
+
+class BlockEvents:
+    """A bounded log: appended by the engine's thread, drained by one watcher; when full the oldest
+    event is dropped and counted (the engine never waits for the watcher)."""
+
+    def __init__(self, max_events: int = MAX_EVENTS) -> None:
+        self._lock = threading.Lock()
+        self._events: deque[BlockEvent] = deque(maxlen=max_events)
+        self.num_dropped = 0
+
+    def append(self, event: BlockEvent) -> None:
+        with self._lock:
+            if len(self._events) == self._events.maxlen:
+                self.num_dropped += 1
+            self._events.append(event)
+
+    def take(self) -> list[BlockEvent]:
+        """Every event since the last `take`, oldest first."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+        return events
 
 
 class BlockManager:
@@ -24,6 +73,13 @@ class BlockManager:
         self.key_to_block: dict[bytes, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.events: BlockEvents | None = None
+
+    def watch(self, max_events: int = MAX_EVENTS) -> BlockEvents:
+        """The log of blocks registered and evicted from now on (one watcher)."""
+        assert self.events is None, "the device blocks are watched already"
+        self.events = BlockEvents(max_events)
+        return self.events
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,14 +120,17 @@ class BlockManager:
             del self.key_to_block[key]
             self.block_to_key[block_id] = None
             evicted = (key, block_id)
+            if self.events is not None:
+                self.events.append(BlockEvent(key, None))
         else:
             return None
         assert self.ref_counts[block_id] == 0
         self.ref_counts[block_id] = 1
         return block_id, evicted
 
-    def register(self, block_id: int, key: bytes) -> bool:
-        """Name a used block's (now full and computed) KV; False if another block has that key."""
+    def register(self, block_id: int, key: bytes, origin: BlockOrigin | None = None) -> bool:
+        """Name a used block's (now full and computed) KV; False if another block has that key.
+        `origin` (what the key was hashed from) goes to the watcher only."""
         assert self.ref_counts[block_id] > 0, f"registering free block {block_id}"
         if self.block_to_key[block_id] == key:
             return True
@@ -80,6 +139,8 @@ class BlockManager:
             return False
         self.block_to_key[block_id] = key
         self.key_to_block[key] = block_id
+        if self.events is not None:
+            self.events.append(BlockEvent(key, origin))
         return True
 
     def release(self, block_ids: list[int]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.blocks import KeyChain, KeySpace
-from kvtier.engine.block_manager import BlockManager
+from kvtier.engine.block_manager import BlockManager, BlockOrigin
 from kvtier.engine.sequence import Sequence, SeqStatus
 from kvtier.engine.tier_io import LoadJob
 from kvtier.offload.config import OffloadConfig
@@ -363,8 +363,8 @@ class Scheduler:
             return None
         seq.num_loading_blocks = 0
         keys = self._keys(seq, len(seq.block_keys) + num_loaded)
-        for block_id, key in zip(seq.block_ids[len(seq.block_keys):], keys[len(seq.block_keys):]):
-            self.block_manager.register(block_id, key)
+        for i in range(len(seq.block_keys), len(keys)):
+            self.block_manager.register(seq.block_ids[i], keys[i], self._origin(seq, i))
         seq.block_keys = keys
         seq.num_computed_tokens = len(keys) * self.block_tokens
         self._count_hits(seq, tiers[:num_loaded])
@@ -438,8 +438,14 @@ class Scheduler:
             i = len(seq.block_keys)
             key = self._keys(seq, i + 1)[i]
             seq.block_keys.append(key)
-            if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key):
+            if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key, self._origin(seq, i)):
                 self._newly_full.append((key, seq.block_ids[i]))
+
+    def _origin(self, seq: Sequence, index: int) -> BlockOrigin:
+        """What block `index`'s key was hashed from (for the block manager's watcher)."""
+        start, keys = index * self.block_tokens, seq.key_chain.keys
+        return BlockOrigin(keys[index - 1] if index else None, tuple(seq.token_ids[start:start + self.block_tokens]),
+                           seq.namespace)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         # EOS and stop_token_ids are masked for the first min_tokens tokens (ModelRunner._bias)

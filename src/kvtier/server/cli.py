@@ -37,11 +37,18 @@ def build_app(config: ServeConfig):
     loaded, engine, manager = build_engine(config)
     defaults = (SamplingDefaults.from_generation_config(getattr(loaded.model, "generation_config", None))
                 if config.generation_config == "auto" else SamplingDefaults())
+    publisher = None
+    if config.kv_events_config is not None and config.kv_events_config.enabled:
+        from kvtier.server import kv_events
+
+        publisher, _ = kv_events.start(config.kv_events_config, engine, manager)
 
     def on_shutdown() -> None:
         if manager is not None:
             engine.flush_to_tiers()  # the device's cached prefixes outlive the process in the tiers
             manager.close()
+        if publisher is not None:
+            publisher.close()  # after the tiers: their last writes are announced
 
     tokenizer = loaded.tokenizer or ByteTokenizer()
     return create_app(AsyncEngine(engine), tokenizer, config.model_names(loaded.name),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvtier.config import EngineConfig, Setting, from_settings, setting, settings_of
 from kvtier.errors import ConfigError, UserError
+from kvtier.events.publisher import KvEventsConfig
 from kvtier.tiers.spec import TierSpec, parse_specs
 
 
@@ -52,6 +53,10 @@ class ServeConfig:
                                                   "model's generation_config, as transformers' generate() reads it: "
                                                   "greedy unless it sets do_sample) or vllm (OpenAI's: temperature 1, "
                                                   "top_p 1)")
+    kv_events_config: KvEventsConfig | None = setting(
+        None, parse=KvEventsConfig.parse, help="publish the device's and every tier's blocks as vLLM's KV cache events "
+        "(vLLM's JSON: '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+        "...}'; ZMQ PUB, msgpack KVEventBatch)")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -60,6 +65,8 @@ class ServeConfig:
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ConfigError(f"generation_config must be auto or vllm, got {self.generation_config!r}")
         self.tiers = parse_specs(self.tiers)
+        if self.kv_events_config is not None:
+            self.kv_events_config = KvEventsConfig.parse(self.kv_events_config)
         self.served_model_name = _names(self.served_model_name)
         if self.served_model_name is not None and not self.served_model_name:
             raise ConfigError("served_model_name must name at least one model")
