@@ -107,7 +107,8 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker_events: WorkerEvents | None = None
         if self._announces_tiers(vllm_config):
             if self._scheduler is not None:
-                self._scheduler_events = SchedulerEvents(self._manager, self._space.layout.block_tokens)
+                self._scheduler_events = SchedulerEvents(self._manager, self._space.layout.block_tokens,
+                                                         self._world_size)
                 self._scheduler.on_blocks = self._scheduler_events.describe
             else:
                 self._worker_events = WorkerEvents(self._manager)
@@ -123,10 +124,7 @@ class KvtierConnector(KVConnectorBase_V1):
         events_config = vllm_config.kv_events_config
         if events_config is None or not events_config.enable_kv_cache_events:
             return False
-        if self._world_size > 1:  # each rank holds a shard under its own key: not announced yet
-            log.warning("kvtier: KV events of the tiers need one worker (TP 1); the tiers are not announced")
-            return False
-        return True
+        return True  # with TP, a block is announced once every rank's shard is in (`SchedulerEvents`)
 
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:

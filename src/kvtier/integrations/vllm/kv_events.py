@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
-from kvtier.integrations.vllm.events import BlockInfo, KvEventTracker, Stored
+from kvtier.integrations.vllm.events import BlockInfo, KvEventTracker, ShardedBlocks, Stored
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.manager import TierManager
 
@@ -76,9 +76,13 @@ class WorkerEvents:
 
 
 class SchedulerEvents:
-    def __init__(self, manager: TierManager, block_tokens: int) -> None:
+    """`world_size` > 1 (tensor parallel): the ranks' events name shards; `ShardedBlocks` makes them
+    whole blocks (stored once every rank's shard is in a tier) before they reach the tracker."""
+
+    def __init__(self, manager: TierManager, block_tokens: int, world_size: int = 1) -> None:
         self.tracker = KvEventTracker()
         self.block_tokens = block_tokens
+        self.shards = ShardedBlocks(world_size) if world_size > 1 else None
         self._log = manager.watch()  # the scheduler's own tiers: what its lookups found gone
         self._quiet_until = 0.0
         self._give_up_at = 0.0
@@ -89,8 +93,12 @@ class SchedulerEvents:
         infos = [block_info(request, first_block + i, self.block_tokens) for i in range(len(keys))]
         infos = infos[:infos.index(None)] if None in infos else infos
         self.tracker.describe(keys[:len(infos)], infos)
+        if self.shards is not None:
+            self.shards.learn(keys[:len(infos)])
         if tiers is not None:
             self.tracker.found(keys[:len(infos)], tiers)
+            if self.shards is not None:
+                self.shards.found(keys[:len(infos)], tiers)
         else:
             now = time.monotonic()
             self._quiet_until, self._give_up_at = now + QUIET_S, now + MAX_LINGER_S
@@ -98,14 +106,17 @@ class SchedulerEvents:
     def from_worker(self, events: KVConnectorKVEvents | None) -> None:
         if not isinstance(events, KvtierKVEvents):
             return
-        self.tracker.apply(events.events)
+        self.tracker.apply(self._whole(events.events))
         self._worker_pending = events.num_pending_writes
         if events.events:
             self._quiet_until = max(self._quiet_until, time.monotonic() + QUIET_S)
 
     def take(self) -> list[KVCacheEvent]:
-        self.tracker.apply(self._log.take())
+        self.tracker.apply(self._whole(self._log.take()))
         return [to_vllm(record) for record in self.tracker.take()]
+
+    def _whole(self, events: list[TierEvent]) -> list[TierEvent]:
+        return events if self.shards is None else self.shards.combine(events)
 
     def lingering(self) -> bool:
         now = time.monotonic()
