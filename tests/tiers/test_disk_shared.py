@@ -88,6 +88,18 @@ def test_the_owner_admits_and_evicts_the_store_writes_and_deletes(tmp_path):
     assert owner.contains_many([KEYS[1]]) == [False] and owner.stats.evictions == 1
 
 
+def test_a_load_s_pin_is_a_use_in_the_owner_s_lru(tmp_path):
+    """The owner never reads (a worker does): the pin a load takes is what refreshes a block."""
+    owner = DiskTier(tmp_path, 3 * BLOCK_BYTES)
+    owner.hand_deletes_off()
+    owner.admit(KEYS[:3], BLOCK_BYTES)
+    put(DiskStore(tmp_path), *KEYS[:3])
+    assert owner.pin_many([KEYS[0]]) == [True]
+    owner.unpin([KEYS[0]])
+    owner.admit([KEYS[3]], BLOCK_BYTES)
+    assert owner.take_deletes() == [KEYS[1]]
+
+
 def test_an_admitted_block_is_counted_at_its_file_size_once_found(tmp_path):
     """The owner admits at an estimate (the codec's largest block); the lookup that finds the file
     counts its real size, so a compressing codec's smaller files fill the directory."""

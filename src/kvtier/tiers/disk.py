@@ -233,7 +233,9 @@ class DiskTier:
         return [self._holds(key) and self._pin(key) for key in keys]
 
     def _pin(self, key: bytes) -> bool:
+        """Pinned for a load: a use (the owner of a directory a worker reads sees no read of its own)."""
         with self._index_lock:
+            self._lru.touch(key)
             if key in self._pins:
                 self._pins[key] += 1
                 return True
