@@ -55,16 +55,18 @@ CONVS = [("passage one", ["hello", "again"]), ("passage two", ["hi", "more"])]
 
 
 def test_each_user_s_turns_come_back_with_the_replies_and_are_recorded_as_a_trace(tmp_path):
-    stub, trace, killed = ChatStub(), [], []
+    stub, prompts, killed = ChatStub(), {}, []
     with AppThread(stub.app()) as server:
-        result = route._run_chat(server.url, CONVS, W, "x", trace=trace, kill=lambda: killed.append(1))
+        result = route._run_chat(server.url, CONVS, W, "x", prompts=prompts, kill=lambda: killed.append(1))
     assert len(result.turns) == 4 and result.num_failed == 0 and killed == [1]
     second = next(b for b in stub.bodies if len(b["messages"]) == 4 and "one" in b["messages"][0]["content"])
     assert second["messages"][2] == {"role": "assistant", "content": "t2 t3 t4 "}  # turn 1's reply, then turn 2
     assert result.turns[(0, 1)].token_ids == [4, 5, 6] and result.num_prompt_tokens == 2 * (2 + 4)
-    route._record_trace(trace, tmp_path / "trace.jsonl", W.max_tokens)
+    assert prompts[(0, 1)] == [len(f"{route.SYSTEM_PROMPT}\n\npassage one"), 5, 9, 5]  # system, user, reply, user
+    route._record_trace(prompts, result, tmp_path / "trace.jsonl", W.max_tokens)
     requests = read_trace(tmp_path / "trace.jsonl", 32)
-    assert sorted(r.input_length for r in requests) == [2, 2, 4, 4]
+    assert [r.input_length for r in requests][-1] == 4 and sorted(r.input_length for r in requests) == [2, 2, 4, 4]
+    assert [r.timestamp_ms for r in requests] == sorted(r.timestamp_ms for r in requests)
     turn1 = [r for r in requests if r.input_length == 2]
     assert turn1[0].hash_ids != turn1[1].hash_ids  # two users' prompts: different blocks
 

@@ -12,10 +12,11 @@ each with local tiers only (`local`: a `shm:` tier per replica) and with a share
 The reference is one vLLM replica alone replaying the same conversations (fp32, greedy, EOS ignored): every
 routed reply must equal its. Reported per system: TTFT p50 / p90, prompt tokens computed vs loaded per tier
 (vLLM's device prefix cache, kvtier's tiers; from each replica's /metrics), requests per replica, the
-prefix-hit rate, and what `kvtier simulate`'s router models predict for it (`sim/`, on the reference's
-requests as a trace). `--kill`: after each system's run the same conversations again, replica 2 killed
-(SIGKILL) once a quarter of them are answered: requests lost (the client's retry failed too) and those cut
-mid-stream (in flight on the killed replica: no router can resume a stream it already began).
+prefix-hit rate, and what `kvtier simulate`'s router models predict for it (`sim/`: the reference's prompts
+in the order and at the times that run sent them, at the prefill speed its replicas measured). `--kill`: after
+each system's run the same conversations again, replica 2 killed (SIGKILL) once a quarter of them are
+answered: requests lost (the client's retry failed too) and those cut mid-stream (in flight on the killed
+replica: no router can resume a stream it already began).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def system_names(policies=POLICIES, setups=SETUPS) -> list[str]:
 # -- the client -----------------------------------------------------------------------------------------
 
 async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: Workload,
-                     trace: list | None) -> str | None:
+                     prompts: dict | None) -> str | None:
     """One streamed greedy chat completion; TTFT and gaps into `result`; its text, None on failure (one
     retry: a stream the killed replica cut)."""
     body = {"model": "smollm2", "messages": messages, "max_tokens": w.max_tokens, "temperature": 0,
@@ -98,13 +99,13 @@ async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: 
         out = "".join(text)
         result.turns[key] = clock.turn(tokens, result.t0)
         result.texts[key] = out
-        if trace is not None and prompt_ids:
-            trace.append((result.turns[key].start_s, prompt_ids))
+        if prompts is not None and prompt_ids:
+            prompts[key] = prompt_ids
         return out
     return None
 
 
-def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, trace: list | None = None) -> RouteResult:
+def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, prompts: dict | None = None) -> RouteResult:
     """Every user's conversation, users at once, turns in order; `kill()` once a quarter of the requests
     are answered. Progress on stderr."""
     import httpx
@@ -119,7 +120,7 @@ def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, trace: list
                 messages = [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{passage}"}]
                 for turn, message in enumerate(user_messages):
                     messages.append({"role": "user", "content": message})
-                    text = await _chat_turn(client, result, (u, turn), list(messages), w, trace)
+                    text = await _chat_turn(client, result, (u, turn), list(messages), w, prompts)
                     done = len(result.turns) + result.num_failed
                     print(f"\r  {name}: {done}/{total} requests", end="", file=sys.stderr, flush=True)
                     if kill_at is not None and done == kill_at:
@@ -292,14 +293,17 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
     return row
 
 
-def _record_trace(trace: list, path: Path, max_tokens: int) -> None:
-    """The reference's requests as a Mooncake-format trace of 32-token blocks, in submission order."""
+def _record_trace(prompts: dict, result: RouteResult, path: Path, max_tokens: int) -> None:
+    """`result`'s requests as a Mooncake-format trace of 32-token blocks, in the order and at the times that
+    run submitted them; the prompts (`(user, turn)` -> token ids) are the reference's: the same, as long
+    as every reply was."""
     from kvtier.bench.servers import BLOCK_TOKENS
     from kvtier.sim.trace import TraceRecorder, trace_hash_ids
 
     with TraceRecorder(path, block_tokens=BLOCK_TOKENS) as recorder:
-        for start_s, ids in sorted(trace, key=lambda t: t[0]):
-            recorder.record(round(start_s * 1000, 3), len(ids), max_tokens,
+        for key, turn in sorted(result.turns.items(), key=lambda kv: kv[1].start_s):
+            ids = prompts[key]
+            recorder.record(round(turn.start_s * 1000, 3), len(ids), max_tokens,
                             trace_hash_ids(ids, block_tokens=BLOCK_TOKENS))
 
 
@@ -342,12 +346,12 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
     convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
     root = Path(log_dir or tempfile.mkdtemp(prefix="kvtier-bench-route-"))
     root.mkdir(parents=True, exist_ok=True)
-    trace: list = []
+    prompts: dict = {}
     print(f"kvtier bench route: {len(convs)} users x {w.num_turns} turns; logs in {root}", file=sys.stderr)
     with VllmServer(model_dir, root / "reference.log", max_model_len=(device_blocks - 1) * BLOCK_TOKENS) as ref:
-        reference = _run_chat(ref.url, convs, w, REFERENCE, trace=trace)
+        reference = _run_chat(ref.url, convs, w, REFERENCE, prompts=prompts)
     trace_path = root / "trace.jsonl"
-    _record_trace(trace, trace_path, w.max_tokens)
+    _record_trace(prompts, reference, trace_path, w.max_tokens)
     rows = [_row(reference, None, None)]
     for setup in setups:
         for policy in policies:
@@ -368,8 +372,11 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                 counts = [_replica_counts(b, s.metrics()) for b, s in zip(before, replicas.servers)]
                 row = _row(result, reference, counts)
                 speed = sum(c["computed_tokens"] for c in counts) / max(1e-9, sum(c["prefill_s"] for c in counts))
-                row["simulated"] = simulate(trace_path, policy, setup, device_blocks=device_blocks,
+                own_trace = tmp / "trace.jsonl"  # this run's order: round-robin's luck, Dynamo's queues
+                _record_trace(prompts, result, own_trace, w.max_tokens)
+                row["simulated"] = simulate(own_trace, policy, setup, device_blocks=device_blocks,
                                             prefill_tokens_per_s=speed)
+                row["trace"] = str(own_trace)
                 if policy == "dynamo":
                     row["selector_matched_tokens"] = _selector_matched(url)
                 rows.append(row)
