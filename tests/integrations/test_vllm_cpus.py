@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from kvtier.integrations.vllm.cpus import omp_env_cpus, torch_openmp_path, transfer_cpus
+from kvtier.integrations.vllm.cpus import omp_env_cpus, transfer_cpus
 
 
 def test_transfer_cpus_prefers_the_cores_vllm_reserved():
@@ -37,17 +37,6 @@ def test_transfer_cpus_without_reserved_cores_is_any_core():
 ])
 def test_omp_env_cpus_reads_what_vllm_writes(env, cpus):
     assert omp_env_cpus(env) == cpus
-
-
-def test_the_openmp_runtime_set_is_torchs_own_not_another_packages_copy():
-    # what vLLM's CPU worker maps: sentencepiece's libgomp first, then torch's
-    site = "/venv/lib/python3.11/site-packages"
-    maps = [f"{site}/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0", f"{site}/torch/lib/libtorch_cpu.so",
-            f"{site}/torch/lib/libgomp.so.1", "/usr/lib/x86_64-linux-gnu/libc.so.6"]
-    assert torch_openmp_path(maps, f"{site}/torch") == f"{site}/torch/lib/libgomp.so.1"
-    assert torch_openmp_path(maps[:1], f"{site}/torch") == maps[0]  # the only runtime there is
-    assert torch_openmp_path(maps[:1] + ["/opt/libiomp5.so"], f"{site}/torch") is None  # which one? none
-    assert torch_openmp_path([f"{site}/torch/lib/libiomp5.so"], f"{site}/torch") == f"{site}/torch/lib/libiomp5.so"
 
 
 _SCRIPT = textwrap.dedent("""

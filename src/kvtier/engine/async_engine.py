@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+from kvtier import openmp
 from kvtier.engine.engine import LLMEngine, RequestOutput
 from kvtier.engine.sequence import SamplingParams
 
@@ -39,7 +40,11 @@ class AsyncEngine:
         self._stopping = False
 
     def start(self) -> None:
+        """Start the loop thread. The calling thread gives back its OpenMP team (loading the model made
+        one): the forward moves to the loop thread, and a second team would throttle both teams' threads
+        into sleeping between the forward's parallel regions (`kvtier.openmp`)."""
         if self._thread is None:
+            openmp.release_team()
             self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
             self._thread.start()
 

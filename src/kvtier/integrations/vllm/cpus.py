@@ -25,13 +25,13 @@ nothing rebinds them.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+
+from kvtier import openmp
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -93,35 +93,10 @@ def threads_started_off_forward() -> Iterator[set[int] | None]:
         os.sched_setaffinity(0, main)
 
 
-def torch_openmp_path(mapped_paths: list[str], torch_dir: str) -> str | None:
-    """Of the OpenMP runtimes mapped into this process, torch's own: vLLM's worker maps more than one
-    (sentencepiece ships its own libgomp too), and setting another copy's thread count changes nothing
-    for torch. A runtime under torch's directory first, else the only one there is."""
-    runtimes = sorted({path for path in mapped_paths if re.search(r"lib(gomp|iomp5?|omp)[-.]", Path(path).name)})
-    ours = [path for path in runtimes if path.startswith(torch_dir.rstrip("/") + "/")]
-    if ours:
-        return ours[0]
-    return runtimes[0] if len(runtimes) == 1 else None
-
-
-def _torch_openmp() -> ctypes.CDLL | None:
-    import torch
-
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = [line.split()[-1] for line in maps if "/" in line]
-    except OSError:
-        return None
-    path = torch_openmp_path(paths, os.path.dirname(torch.__file__))
-    return ctypes.CDLL(path) if path is not None else None
-
-
 def run_torch_here(cpus: set[int] | None) -> None:
     """For a thread that runs torch copies beside vLLM's forward: its parallel regions use one thread
     (this thread's OpenMP setting only), so none rebinds it to the master's core; then it runs on `cpus`."""
     if cpus is None:
         return
-    omp = _torch_openmp()
-    if omp is not None:
-        omp.omp_set_num_threads(1)
+    openmp.one_thread()
     os.sched_setaffinity(0, cpus)
