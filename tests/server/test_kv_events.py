@@ -139,17 +139,20 @@ def wait_for(fn, done, what, timeout_s: float = 20.0):
         time.sleep(0.05)
 
 
+def serve_config(ssd: Path, events: dict) -> ServeConfig:
+    """The tiny model on 16 device blocks, DRAM for ten, the SSD directory `ssd`; `events`: vLLM's JSON."""
+    return ServeConfig(model="tiny", tiers=parse_specs([f"dram:{DRAM_BLOCKS * (BLOCK_BYTES + 64)}",
+                                                       f"ssd:{ssd}:{SSD_BLOCKS * (BLOCK_BYTES + 64)}"]),
+                       kv_events_config=json.dumps({"enable_kv_cache_events": True, **events}),
+                       engine=EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * BLOCK_BYTES, block_tokens=BLOCK,
+                                           max_prefill_tokens=64, max_model_tokens=512))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-events")
     endpoint, replay = f"ipc://{root}/events.sock", f"ipc://{root}/replay.sock"
-    config = ServeConfig(model="tiny", tiers=parse_specs([f"dram:{DRAM_BLOCKS * (BLOCK_BYTES + 64)}",
-                                                         f"ssd:{root / 'ssd'}:{SSD_BLOCKS * (BLOCK_BYTES + 64)}"]),
-                         kv_events_config=json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint,
-                                                      "replay_endpoint": replay}),
-                         engine=EngineConfig(device_kv_budget_bytes=DEVICE_BLOCKS * BLOCK_BYTES, block_tokens=BLOCK,
-                                             max_prefill_tokens=64, max_model_tokens=512))
-    app = build_app(config)
+    app = build_app(serve_config(root / "ssd", {"endpoint": endpoint, "replay_endpoint": replay}))
     sub = Subscriber(endpoint)
     time.sleep(0.3)  # the subscription settles before the first event
     try:
@@ -276,3 +279,22 @@ def test_the_replay_socket_returns_past_batches(served):
     finally:
         sock.close(linger=0)
     assert replayed[:len(seen) - 2] == seen[2:]
+
+
+def test_blocks_loaded_from_an_earlier_run_s_ssd_are_announced_there(served, tmp_path):
+    """A second server on the same SSD directory (a restart): it never wrote the files it loads."""
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    app = build_app(serve_config(served["ssd"], {"endpoint": endpoint}))
+    sub = Subscriber(endpoint)
+    time.sleep(0.3)
+    try:
+        with running(app) as url:
+            again = {"url": url, "app": app, "ssd": served["ssd"]}
+            _complete(again, PROMPTS[1])  # on the SSD since the second test: its 8 usable blocks are loaded
+            hashes = _hashes(again, PROMPTS[1])
+            wait_for(lambda: sub.holds("STORAGE"), lambda held: set(hashes) <= held, "the loaded blocks on the SSD")
+            assert set(hashes) <= sub.holds("GPU")
+            loaded = _engine(again).scheduler.prefix_hit_tokens_by_tier
+            assert loaded.get("ssd") == len(hashes) * BLOCK  # loaded, not recomputed
+    finally:
+        sub.close()

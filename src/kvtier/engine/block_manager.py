@@ -25,11 +25,13 @@ MAX_EVENTS = 100_000  # a watcher that falls this far behind loses the oldest (c
 @dataclass(frozen=True, slots=True)
 class BlockOrigin:
     """What a block's key was hashed from: the previous block's key (None: a sequence's first block),
-    the block's tokens and the key space's namespace (the request's cache_salt)."""
+    the block's tokens and the key space's namespace (the request's cache_salt); `tier`: the tier its KV was
+    loaded from (None: computed here)."""
 
     parent: bytes | None
     token_ids: tuple[int, ...]
     namespace: str = ""
+    tier: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

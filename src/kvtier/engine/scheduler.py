@@ -363,8 +363,9 @@ class Scheduler:
             return None
         seq.num_loading_blocks = 0
         keys = self._keys(seq, len(seq.block_keys) + num_loaded)
-        for i in range(len(seq.block_keys), len(keys)):
-            self.block_manager.register(seq.block_ids[i], keys[i], self._origin(seq, i))
+        first = len(seq.block_keys)
+        for i in range(first, len(keys)):
+            self.block_manager.register(seq.block_ids[i], keys[i], self._origin(seq, i, tiers[i - first]))
         seq.block_keys = keys
         seq.num_computed_tokens = len(keys) * self.block_tokens
         self._count_hits(seq, tiers[:num_loaded])
@@ -441,11 +442,12 @@ class Scheduler:
             if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key, self._origin(seq, i)):
                 self._newly_full.append((key, seq.block_ids[i]))
 
-    def _origin(self, seq: Sequence, index: int) -> BlockOrigin:
-        """What block `index`'s key was hashed from (for the block manager's watcher)."""
+    def _origin(self, seq: Sequence, index: int, tier: str | None = None) -> BlockOrigin:
+        """What block `index`'s key was hashed from, and the tier it was loaded from (for the block manager's
+        watcher)."""
         start, keys = index * self.block_tokens, seq.key_chain.keys
         return BlockOrigin(keys[index - 1] if index else None, tuple(seq.token_ids[start:start + self.block_tokens]),
-                           seq.namespace)
+                           seq.namespace, tier)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         # EOS and stop_token_ids are masked for the first min_tokens tokens (ModelRunner._bias)

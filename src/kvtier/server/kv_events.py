@@ -6,7 +6,8 @@ evicted is removed) and each tier (`TierManager.watch()`, mediums as the vLLM co
 `integrations/vllm/events.py`). Block hashes are kvtier's own chained keys (low 64 bits): a block's device
 and tier copies share one; a request's `cache_salt` is in its keys (two tenants' identical blocks are
 two blocks) and, as vLLM does, in the first block's `extra_keys`. A tier event names a key only;
-`KvEventTracker` names it by the description the device gave it when it was registered.
+`KvEventTracker` names it by the description the device gave it when it was registered; a block loaded
+from a tier is announced there too (an earlier run's SSD file, another replica's pool block).
 
 The decode loop only appends to the device's bounded log; the publisher's thread drains both logs
 (`collect`), builds the events and sends them (`events/publisher.py`).
@@ -53,6 +54,8 @@ class ServeKvEvents:
                 continue
             info = block_info(block_hash, event.origin)
             self.tracker.describe([event.key], [info])
+            if event.origin.tier is not None:  # loaded from a tier: held there, whoever wrote it (an earlier run)
+                self.tracker.found([event.key], [event.origin.tier])
             self.num_device_blocks += 1
             out.append(to_wire(Stored(info, wire.MEDIUM_GPU), self.block_tokens))
         self.tracker.apply(tier_events)
