@@ -39,8 +39,8 @@ def test_file_then_flags(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("modle = 'tiny'", "unknown serve setting(s) modle; known: block_tokens, codec, device_kv_budget, generation_config, host, "
-                       "kv_codec, kv_offload, max_model_tokens, max_num_seqs, max_prefill_tokens, model, offload_fetch_blocks, "
-                       "offload_page_tokens, offload_recent_blocks, offload_sink_blocks, port, prefix_caching, "
+                       "kv_codec, kv_events_config, kv_offload, max_model_tokens, max_num_seqs, max_prefill_tokens, "
+                       "model, offload_fetch_blocks, offload_page_tokens, offload_recent_blocks, offload_sink_blocks, port, prefix_caching, "
                        "record_trace, served_model_name, tier_writes, tiers"),
     ("kv_offload = 'sometimes'", "kv_offload must be 'off', 'exact' or 'sparse:BUDGET'"),
     ("preemption = 'swap'", "unknown serve setting(s) preemption; known: "),  # one preemption path: the setting is gone
@@ -54,6 +54,9 @@ def test_file_then_flags(tmp_path):
     ("kv_codec = 'int3'", "kv_codec must be one of raw, fp8, int8, int4, int2, got 'int3'"),
     ("tier_writes = 'never'", "tier_writes must be 'full' or 'evict', got 'never'"),
     ("generation_config = 'model'", "generation_config must be auto or vllm, got 'model'"),
+    ("kv_events_config = '{\"enable_kv_cache_events\": true, \"endpiont\": \"tcp://*:5557\"}'",
+     "--kv-events-config: unknown field(s) endpiont (known: buffer_steps, enable_kv_cache_events, endpoint, hwm, "),
+    ("kv_events_config = 'yes'", "--kv-events-config is not JSON: "),
     ("codec = 'int3'", "unknown codec 'int3': use one of raw, fp8, int8, int4, int2, optionally with '+zstd'"),
     ("tiers = ['ssd:1GiB']", "ssd tier spec needs a directory and a size: ssd:/path:10GiB, got 'ssd:1GiB'"),
     ("tiers = 3", "tiers must be a list of tier specs (dram:SIZE, ssd:DIR:SIZE, shm:DIR:SIZE, mooncake://HOST:PORT, "
@@ -101,9 +104,13 @@ def test_cli_flags_reach_the_config(monkeypatch, tmp_path):
     toml.write_text("max_num_seqs = 4\nblock_tokens = 64\n")
     with pytest.raises(SystemExit):
         main(["serve", "--config", str(toml), "--model", "tiny", "--block-tokens", "16", "--device-kv-budget", "1MiB",
-              "--no-prefix-caching", "--tier", "dram:16MiB", "--tier", f"ssd:{tmp_path}:16MiB"])
+              "--no-prefix-caching", "--tier", "dram:16MiB", "--tier", f"ssd:{tmp_path}:16MiB",
+              "--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/kv.sock", "hwm": 10}'])
     [config] = seen
     assert config.model == "tiny" and [t.kind for t in config.tiers] == ["dram", "ssd"]
+    events = config.kv_events_config
+    assert (events.enabled, events.endpoint, events.hwm, events.replay_endpoint) == \
+        (True, "ipc:///tmp/kv.sock", 10, None)
     assert config.engine == EngineConfig(device_kv_budget_bytes=1 << 20, block_tokens=16, max_num_seqs=4,
                                          prefix_caching=False)
     with pytest.raises(SystemExit):
