@@ -99,3 +99,18 @@ def test_a_load_pins_its_files_against_every_process_until_done(sides, tmp_path)
     assert store.delete_many([key]) == 0 and store._path(key).exists()  # pinned (a file lock)
     scheduler.finished("r2")
     assert store.delete_many([key]) == 1
+
+
+def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
+    """shm holds 2 blocks, the SSD 8: a step sending 3 keeps all 3 (the SSD took them); shm's index
+    keeps the last 2 and ships the first's delete."""
+    tiers = [f"shm:{tmp_path / 'shm'}:{2 * BLOCK_BYTES}", f"ssd:{tmp_path / 'ssd'}:{8 * BLOCK_BYTES}"]
+    scheduler = SchedulerSide(SPACE, build_manager(tiers, slot_bytes=BLOCK_BYTES, async_writes=False),
+                              block_bytes=BLOCK_BYTES)
+    req = request("r1", list(range(3 * T + 1)))
+    scheduler.after_alloc(req, [0, 1, 2, 3], 0)
+    records = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3])
+    keys = records.saves[0].keys
+    assert len(keys) == 3 and records.saves[0].block_ids == [0, 1, 2]
+    assert records.deletes == {"shm": keys[:1]}
+    scheduler.manager.close()

@@ -134,12 +134,14 @@ class SchedulerSide:
             tier.unpin(files)
 
     def _admit(self, saves: list[SaveSpec]) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
-        """Index the blocks sent down this step in each directory: the saves of the blocks every
-        directory took (one no index has room for — all of it pinned — is not written: a future miss),
-        and the files that evicted (and lookups' adoptions) for the workers to delete."""
+        """Index the blocks sent down this step in each directory: the saves of the blocks some directory
+        took (one no index has room for — all of it pinned — is not written: a future miss), and the files
+        that evicted (and lookups' adoptions) for the workers to delete. A block one directory could not
+        keep but another did is written to both (the worker writes through to every tier): outside the
+        first one's index, until a lookup adopts it — a step that sends more blocks than a directory holds."""
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
         files = self._rank_keys(keys)  # rank-major: files[rank * len(keys) + i] is rank's shard of keys[i]
-        kept = [True] * len(keys)
+        taken_by = [0] * len(keys)  # per block: in how many directories every rank's file was admitted
         deletes = {}
         for name, tier in self._directories.items():
             try:
@@ -148,10 +150,11 @@ class SchedulerSide:
             except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
                 log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
                 admitted, evicted = [False] * len(files), []
-            for i, ok in enumerate(admitted):
-                kept[i % len(keys)] = kept[i % len(keys)] and ok
+            every_rank = [all(admitted[i::len(keys)]) for i in range(len(keys))] if admitted else []
+            taken_by = [n + ok for n, ok in zip(taken_by, every_rank)]
             if evicted:
                 deletes[name] = evicted
+        kept = [n > 0 for n in taken_by]
         if all(kept):
             return saves, deletes
         flags = iter(kept)
