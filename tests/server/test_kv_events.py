@@ -281,6 +281,17 @@ def test_the_replay_socket_returns_past_batches(served):
     assert replayed[:len(seen) - 2] == seen[2:]
 
 
+def test_metrics_count_the_batches_published_and_none_dropped(served):
+    import httpx
+
+    text = httpx.get(served["url"] + "/metrics").text
+    batches = float(next(line.split()[1] for line in text.splitlines()
+                         if line.startswith("kvtier_kv_events_batches_total ")))
+    with served["sub"]._lock:
+        assert batches >= len(served["sub"].batches) > 0
+    assert "kvtier_kv_events_dropped_total 0.0" in text
+
+
 def test_blocks_loaded_from_an_earlier_run_s_ssd_are_announced_there(served, tmp_path):
     """A second server on the same SSD directory (a restart): it never wrote the files it loads."""
     endpoint = f"ipc://{tmp_path}/events.sock"

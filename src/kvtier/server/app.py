@@ -75,12 +75,14 @@ def engine_view(async_engine: AsyncEngine) -> EngineView:
 
 def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str], *, manager=None,
                on_shutdown=None, record_trace=None,
-               sampling_defaults: protocol.SamplingDefaults = protocol.SamplingDefaults()) -> FastAPI:
+               sampling_defaults: protocol.SamplingDefaults = protocol.SamplingDefaults(),
+               kv_event_counts=None) -> FastAPI:
     """`model_name`: the name clients send, or several aliases. `on_shutdown()` runs after the engine
     thread stopped (flush blocks, close the tiers). `sampling_defaults`: what a request's omitted sampling
     fields are (`kvtier serve`: the model's generation_config; OpenAI's by default).
     `record_trace`: a JSONL path; every finished request is appended in the Mooncake trace format
-    (`kvtier simulate` replays it)."""
+    (`kvtier simulate` replays it). `kv_event_counts()`: (KV event batches published, device events dropped)
+    for /metrics, with `--kv-events-config`."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
@@ -97,7 +99,8 @@ def create_app(async_engine: AsyncEngine, tokenizer, model_name: str | list[str]
     if not model_names:
         raise ValueError("at least one served model name")
     state = ServerState(async_engine, tokenizer, model_names,
-                        ServerMetrics(lambda: engine_view(async_engine), manager), vocab_size, int(time.time()),
+                        ServerMetrics(lambda: engine_view(async_engine), manager, kv_event_counts), vocab_size,
+                        int(time.time()),
                         started_perf=time.perf_counter(), sampling_defaults=sampling_defaults)
     if record_trace is not None:
         from kvtier.sim.trace import TraceRecorder

@@ -37,11 +37,14 @@ def build_app(config: ServeConfig):
     loaded, engine, manager = build_engine(config)
     defaults = (SamplingDefaults.from_generation_config(getattr(loaded.model, "generation_config", None))
                 if config.generation_config == "auto" else SamplingDefaults())
-    publisher = None
+    publisher = kv_event_counts = None
     if config.kv_events_config is not None and config.kv_events_config.enabled:
         from kvtier.server import kv_events
 
-        publisher, _ = kv_events.start(config.kv_events_config, engine, manager)
+        publisher, events = kv_events.start(config.kv_events_config, engine, manager)
+
+        def kv_event_counts() -> tuple[int, int]:
+            return publisher.num_batches, events.num_dropped
 
     def on_shutdown() -> None:
         if manager is not None:
@@ -53,7 +56,7 @@ def build_app(config: ServeConfig):
     tokenizer = loaded.tokenizer or ByteTokenizer()
     return create_app(AsyncEngine(engine), tokenizer, config.model_names(loaded.name),
                       manager=manager, on_shutdown=on_shutdown, record_trace=config.record_trace,
-                      sampling_defaults=defaults)
+                      sampling_defaults=defaults, kv_event_counts=kv_event_counts)
 
 
 def register(app: typer.Typer) -> None:

@@ -108,9 +108,11 @@ class RequestTotals:
 
 
 class ServerMetrics:
-    def __init__(self, engine_view: Callable[[], EngineView], manager=None) -> None:
+    def __init__(self, engine_view: Callable[[], EngineView], manager=None,
+                 kv_event_counts: Callable[[], tuple[int, int]] | None = None) -> None:
         self.engine_view = engine_view
         self.manager = manager
+        self.kv_event_counts = kv_event_counts  # --kv-events-config: (batches published, device events dropped)
         self.totals = RequestTotals()
         self.registry = CollectorRegistry(auto_describe=False)
         self.ttft = Histogram("kvtier_time_to_first_token_seconds", "Request arrival to first generated token",
@@ -179,6 +181,8 @@ class _StatsCollector:
         yield from _request_families(self.metrics.totals)
         yield from _engine_families(self.metrics.engine_view())
         yield from _tier_families(tier_views(self.metrics.manager))
+        if self.metrics.kv_event_counts is not None:
+            yield from _kv_event_families(*self.metrics.kv_event_counts())
 
 
 def _request_families(totals: RequestTotals) -> Iterator[Metric]:
@@ -196,6 +200,13 @@ def _request_families(totals: RequestTotals) -> Iterator[Metric]:
     yield CounterMetricFamily("kvtier_cached_prompt_tokens", "Prompt tokens served from the prefix cache (any tier)",
                               value=totals.num_cached_tokens)
     yield CounterMetricFamily("kvtier_generation_tokens", "Tokens generated", value=totals.num_generation_tokens)
+
+
+def _kv_event_families(num_batches: int, num_dropped: int) -> Iterator[Metric]:
+    yield CounterMetricFamily("kvtier_kv_events_batches", "KV event batches published (--kv-events-config)",
+                              value=num_batches)
+    yield CounterMetricFamily("kvtier_kv_events_dropped", "Device block events dropped: the publisher fell "
+                              "max_queue_size behind the engine", value=num_dropped)
 
 
 def _engine_families(engine: EngineView) -> Iterator[Metric]:
