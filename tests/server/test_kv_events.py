@@ -127,7 +127,7 @@ class Subscriber:
         self.sock.close(linger=0)
 
 
-def wait_for(fn, done, what, timeout_s: float = 20.0):
+def wait_for(fn, done, what, timeout_s: float = 60.0):
     """`fn()` once `done` with it; `what` (or `what()`) names it in the error after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
