@@ -152,12 +152,21 @@ def _became_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> bo
 
 
 def test_serve_process_answers(tmp_path):
+    import zmq
+
+    from kvtier.events.wire import decode_batch
+
     port = free_port()
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    events = zmq.Context.instance().socket(zmq.SUB)  # a router's view of the process's KV events
+    events.setsockopt(zmq.SUBSCRIBE, b"")
+    events.connect(endpoint)
     proc = subprocess.Popen([str(Path(sys.executable).parent / "kvtier"), "serve", "--model", "tiny", "--port", str(port),
                              "--device-kv-budget", "1MiB", "--block-tokens", "16", "--tier", "dram:16MiB",
                              "--tier", f"ssd:{tmp_path / 'ssd'}:16MiB", "--served-model-name", "x",
-                             "--served-model-name", "y"],
+                             "--served-model-name", "y",
+                             "--kv-events-config", f'{{"enable_kv_cache_events": true, "endpoint": "{endpoint}"}}'],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -176,6 +185,13 @@ def test_serve_process_answers(tmp_path):
         proc.wait(timeout=30)
     # shutdown flushed the device's cached blocks (43 tokens of KV: 2 full blocks of 16) down to the SSD
     assert len(list((tmp_path / "ssd").rglob("*.kvb"))) == 2
+    held: dict[str, set[int]] = {}
+    while events.poll(1000):  # every batch was sent before the process exited
+        for event in decode_batch(events.recv_multipart()[2])[1]:
+            hashes = held.setdefault(event["medium"], set())
+            (hashes.update if event["type"] == "BlockStored" else hashes.difference_update)(event["block_hashes"])
+    events.close(linger=0)
+    assert {medium: len(hashes) for medium, hashes in held.items()} == {"GPU": 2, "CPU": 2, "STORAGE": 2}
 
 
 def test_the_model_as_given_is_a_served_name():
