@@ -38,10 +38,11 @@ def test_file_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("modle = 'tiny'", "unknown serve setting(s) modle; known: block_tokens, codec, device_kv_budget, generation_config, host, "
-                       "kv_codec, kv_events_config, kv_offload, max_model_tokens, max_num_seqs, max_prefill_tokens, "
-                       "model, offload_fetch_blocks, offload_page_tokens, offload_recent_blocks, offload_sink_blocks, port, prefix_caching, "
-                       "record_trace, served_model_name, tier_writes, tiers"),
+    ("modle = 'tiny'", "unknown serve setting(s) modle; known: block_tokens, codec, device_kv_budget, "
+                       "generation_config, host, kv_codec, kv_events_config, kv_offload, max_model_tokens, "
+                       "max_num_seqs, max_prefill_tokens, model, offload_fetch_blocks, offload_page_tokens, "
+                       "offload_recent_blocks, offload_sink_blocks, port, prefix_caching, record_trace, "
+                       "served_model_name, tier_writes, tiers"),
     ("kv_offload = 'sometimes'", "kv_offload must be 'off', 'exact' or 'sparse:BUDGET'"),
     ("preemption = 'swap'", "unknown serve setting(s) preemption; known: "),  # one preemption path: the setting is gone
     ("device_kv_budget = 'lots'", "device_kv_budget: cannot parse byte size 'lots' (expected e.g. 128k, 256MiB, 80GB)"),
