@@ -19,14 +19,16 @@ from kvtier.server.config import ServeConfig
 from kvtier.tiers.spec import parse_specs
 
 
-def run(model: str, events: bool, seed: int, num_prompts: int, prompt_tokens: int, max_tokens: int) -> tuple[float, int]:
-    config = ServeConfig(model=model, tiers=parse_specs(["dram:256MiB"]),
-                         engine=EngineConfig(device_kv_budget_bytes=64 << 20, block_tokens=16, max_num_seqs=num_prompts))
+def run(model: str, events: bool, seed: int, num_prompts: int, prompt_tokens: int,
+        max_tokens: int) -> tuple[float, int]:
+    engine_config = EngineConfig(device_kv_budget_bytes=64 << 20, block_tokens=16, max_num_seqs=num_prompts)
+    config = ServeConfig(model=model, tiers=parse_specs(["dram:256MiB"]), engine=engine_config)
     _, engine, manager = build_engine(config)
     publisher = stats = None
     if events:
         endpoint = f"ipc://{tempfile.mkdtemp()}/events.sock"
-        publisher, stats = kv_events.start(KvEventsConfig(enable_kv_cache_events=True, endpoint=endpoint), engine, manager)
+        events_config = KvEventsConfig(enable_kv_cache_events=True, endpoint=endpoint)
+        publisher, stats = kv_events.start(events_config, engine, manager)
     rng = random.Random(seed)
     vocab = min(engine.vocab_size, 256) if model == "tiny" else 20000
     prompts = [[rng.randrange(vocab) for _ in range(prompt_tokens)] for _ in range(num_prompts)]
