@@ -81,6 +81,20 @@ def test_the_config_is_vllm_s_json():
         KvEventsConfig.parse('{"enable_kv_cache_events": true, "buffer_steps": 0}')
 
 
+def test_an_endpoint_in_use_is_a_one_line_config_error():
+    from kvtier.events.publisher import KvEventPublisher
+
+    # vLLM's rule: a wildcard endpoint is bound (port 0: the OS picks one), a host's is connected to
+    first = KvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0"), list)
+    try:
+        port = int(first.endpoint.rsplit(":", 1)[1])
+        assert port > 0
+        with pytest.raises(ConfigError, match=f"cannot open tcp://\\*:{port}: Address already in use"):
+            KvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"), list)
+    finally:
+        first.close()
+
+
 class Subscriber:
     """A router's view: every batch on a SUB socket (seq, events), and per medium the block hashes held."""
 

@@ -30,7 +30,6 @@ class ServeKvEvents:
         self._device, self._tiers = device, tiers  # tiers: a TierEvents log, or None with no tier
         self.block_tokens = block_tokens
         self.tracker = KvEventTracker()
-        self.num_device_blocks = 0  # on the device, as announced
 
     @property
     def num_dropped(self) -> int:
@@ -45,7 +44,6 @@ class ServeKvEvents:
         for event in self._device.take():
             block_hash = wire.block_hash(event.key)
             if event.origin is None:
-                self.num_device_blocks -= 1
                 last = out[-1] if out else None
                 if last is not None and last["type"] == "BlockRemoved":
                     last["block_hashes"].append(block_hash)
@@ -56,7 +54,6 @@ class ServeKvEvents:
             self.tracker.describe([event.key], [info])
             if event.origin.tier is not None:  # loaded from a tier: held there, whoever wrote it (an earlier run)
                 self.tracker.found([event.key], [event.origin.tier])
-            self.num_device_blocks += 1
             out.append(to_wire(Stored(info, wire.MEDIUM_GPU), self.block_tokens))
         self.tracker.apply(tier_events)
         out += [to_wire(record, self.block_tokens) for record in self.tracker.take()]
