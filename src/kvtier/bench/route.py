@@ -275,10 +275,12 @@ def _selector_matched(url: str) -> dict[str, dict[str, int]]:
 
 def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict] | None) -> dict:
     ttfts = sorted(t.ttft_s for t in result.turns.values())
+    itls = [gap for t in result.turns.values() for gap in t.itl_s]
     same = None if reference is None else result.texts == reference.texts  # a router may drop return_token_ids
     row = {"system": result.name, "requests": len(result.turns), "failed": result.num_failed,
            "cut_mid_stream": result.num_cut, "ttft_p50_s": _pct(ttfts, 50),
-           "ttft_p90_s": _pct(ttfts, 90), "wall_s": result.wall_s, "same_replies_as_reference": same,
+           "ttft_p90_s": _pct(ttfts, 90), "itl_mean_s": sum(itls) / len(itls) if itls else 0.0,
+           "wall_s": result.wall_s, "same_replies_as_reference": same,
            "first_error": result.first_error,
            "routed": [[u, t, result.routed.get((u, t), "")] for (u, t) in sorted(result.texts)]}
     if replicas:
@@ -308,10 +310,11 @@ def _record_trace(prompts: dict, result: RouteResult, path: Path, max_tokens: in
 
 
 def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, prefill_tokens_per_s: float,
-             num_replicas: int = 2) -> dict:
+             decode_s_per_token: float = 0.0, num_replicas: int = 2) -> dict:
     """`kvtier simulate`'s prediction for one system: its router model on the recorded trace, each replica's
     device budget as HBM, the `shm:` tier as DRAM, the pool (`pool` setup) as the shared tier, a replica's
-    prefill at the speed its run measured (queues decide where Dynamo's load term sends a request)."""
+    prefill and decode at the speeds its run measured (Dynamo's load terms weigh a replica's queue and its
+    running requests)."""
     from kvtier.bench.servers import BLOCK_TOKENS
     from kvtier.sim.cluster import ClusterConfig
     from kvtier.sim.replay import replay
@@ -321,7 +324,7 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, p
     config = ClusterConfig(num_nodes=num_replicas, gpus_per_node=1, hbm_tokens=device_blocks * BLOCK_TOKENS,
                            dram_tokens=large, pool_tokens=large if setup == "pool" else 0,
                            block_tokens=BLOCK_TOKENS, flops_per_token=1.0, gpu_flops=prefill_tokens_per_s, mfu=1.0,
-                           kv_bytes_per_token=KV_BYTES_PER_TOKEN)
+                           kv_bytes_per_token=KV_BYTES_PER_TOKEN, decode_s_per_token=decode_s_per_token)
     result = replay(read_trace(trace_path, BLOCK_TOKENS), config, SIM_ROUTERS[policy])
     return {"router": SIM_ROUTERS[policy], "prefix_hit_rate": result.hit_rate,
             "requests_per_replica": result.requests_by_node}
@@ -375,7 +378,7 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                 own_trace = tmp / "trace.jsonl"  # this run's order: round-robin's luck, Dynamo's queues
                 _record_trace(prompts, result, own_trace, w.max_tokens)
                 row["simulated"] = simulate(own_trace, policy, setup, device_blocks=device_blocks,
-                                            prefill_tokens_per_s=speed)
+                                            prefill_tokens_per_s=speed, decode_s_per_token=row["itl_mean_s"])
                 row["trace"] = str(own_trace)
                 if policy == "dynamo":
                     row["selector_matched_tokens"] = _selector_matched(url)

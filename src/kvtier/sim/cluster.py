@@ -56,6 +56,7 @@ class ClusterConfig:
     flops_per_token: float = 16.06e9       # llama-3.1-8b: 2 x 8.03e9 params
     gpu_flops: float = 989e12              # h100 dense bf16
     mfu: float = MFU
+    decode_s_per_token: float = 0.0        # a node's time per output token (routers that weigh running requests)
     bw_bytes_s: dict[str, float] = field(default_factory=lambda: {
         "dram": DRAM_BW_BYTES_S, "pool": POOL_BW_BYTES_S, "ssd": SSD_BW_BYTES_S})
     latency_s: dict[str, float] = field(default_factory=lambda: {

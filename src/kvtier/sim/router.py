@@ -79,26 +79,40 @@ class CacheAware:
 
 class Dynamo:
     """NVIDIA Dynamo's KV router (`DefaultWorkerScorer`, 1.6.1 defaults): the node with the lowest cost
-    `max(0, booked prefill blocks + request blocks - credit)`, credit per cached prefix block by the tier it
-    is in: HBM 1.0, DRAM 0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared pool's blocks
-    land); ties to the node whose queue drains first. The prefill booked on a node is its queue at the
-    request's arrival, in blocks at the node's prefill speed; its decode term is left out (Dynamo's
-    selection service did not count it for requests past their first token, measured in
-    `tests/route/test_route_dynamo.py`)."""
+    `max(0, booked prefill blocks + request blocks - credit) + running blocks`. Credit per cached prefix block
+    by the tier it is in: HBM 1.0, DRAM 0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared
+    pool's blocks land). Booked prefill: the node's queue at the request's arrival, in blocks at its prefill
+    speed. Running blocks: the distinct blocks of the requests it sent to the node that are still running
+    (until their last token: `decode_s_per_token` each; 0 leaves the term out), as Dynamo counts decode load;
+    a conversation's next turn leaves a busy node when they outweigh its cached prefix. Ties to the node
+    whose queue drains first."""
 
     name = "dynamo"
     WEIGHTS = (1.0, 0.75, 0.25, 0.25)  # hbm, dram, pool, ssd (cluster.TIERS)
 
-    def route(self, request: Request, cluster: Cluster, free_at_s: list[float]) -> int:
-        now_s = request.timestamp_ms / 1000.0
-        block_s = cluster.config.compute_s(cluster.config.block_tokens)
+    def __init__(self) -> None:
+        self._running: list[list[tuple[float, list[int]]]] = []  # per node: (end, hash ids) of what it sent
 
-        def cost(node: int) -> tuple[float, float, int]:
+    def route(self, request: Request, cluster: Cluster, free_at_s: list[float]) -> int:
+        config = cluster.config
+        if not self._running:
+            self._running = [[] for _ in free_at_s]
+        now_s = request.timestamp_ms / 1000.0
+        block_s = config.compute_s(config.block_tokens)
+        credits, costs = [], []
+        for node in range(len(free_at_s)):
+            self._running[node] = [(end, ids) for end, ids in self._running[node] if end > now_s]
+            running = len({h for _, ids in self._running[node] for h in ids})
             credit = sum(self.WEIGHTS[t] for t in cluster.prefix_tiers(node, request.hash_ids))
             booked = max(0.0, free_at_s[node] - now_s) / block_s
-            return max(0.0, booked + len(request.hash_ids) - credit), free_at_s[node], node
-
-        return min(range(len(free_at_s)), key=cost)
+            credits.append(credit)
+            costs.append((max(0.0, booked + len(request.hash_ids) - credit) + running, free_at_s[node], node))
+        node = min(costs)[2]
+        if config.decode_s_per_token > 0:
+            prefill_s = max(0.0, len(request.hash_ids) - credits[node]) * block_s
+            end = max(now_s, free_at_s[node]) + prefill_s + request.output_length * config.decode_s_per_token
+            self._running[node].append((end, request.hash_ids))
+        return node
 
 
 ROUTERS = {cls.name: cls for cls in (RoundRobin, LeastLoaded, BestPrefixMatch, CacheAware, Dynamo)}
