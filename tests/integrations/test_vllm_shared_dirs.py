@@ -114,3 +114,24 @@ def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
     assert len(keys) == 3 and records.saves[0].block_ids == [0, 1, 2]
     assert records.deletes == {"shm": keys[:1]}
     scheduler.manager.close()
+
+
+def test_blocks_a_load_takes_from_below_are_admitted_into_the_directory_the_worker_promotes_them_into(tmp_path):
+    """The worker's manager copies what a read found below its top tier into it (shm here): the
+    scheduler counts those copies in shm's index too, so shm's evictions keep it at its size."""
+    tiers = [f"shm:{tmp_path / 'shm'}:{2 * BLOCK_BYTES}", f"ssd:{tmp_path / 'ssd'}:{8 * BLOCK_BYTES}"]
+    manager = build_manager(tiers, slot_bytes=BLOCK_BYTES, async_writes=False)
+    scheduler = SchedulerSide(SPACE, manager, block_bytes=BLOCK_BYTES, promote_into="shm")
+    shm, ssd = manager.tiers
+    first = request("r1", list(range(3 * T + 1)))
+    scheduler.after_alloc(first, [0, 1, 2, 3], 0)
+    keys = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3]).saves[0].keys
+    store = DiskStore(tmp_path / "ssd")
+    store.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # only the SSD holds them (shm dropped them)
+    again = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(again, 0) == 3 * T
+    scheduler.after_alloc(again, [4, 5, 6, 7], 3 * T)
+    # shm's index took the copies (the 3 keys through a 2-block index: k1, evicted by k0, goes) ...
+    assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [keys[1]]}
+    assert [key in shm._lru for key in keys] == [True, False, True] and shm.used_bytes() == 2 * BLOCK_BYTES
+    manager.close()

@@ -92,9 +92,12 @@ class KvtierConnector(KVConnectorBase_V1):
             # written through to the shared tiers, which the scheduler asks.
             # It owns the shared directories' index and eviction (SSD, shm: `scheduler.py`).
             self._manager = build_manager(list(config.shared_tiers), slot_bytes=slot_bytes, async_writes=False)
+            top = config.tiers[0]  # the worker promotes loaded blocks into it: a directory's index counts them
             self._scheduler = SchedulerSide(self._space, self._manager, self._world_size,
                                             block_bytes=codec.max_encoded_bytes(self._space.layout),
-                                            saves=not self._consumer)
+                                            saves=not self._consumer,
+                                            promote_into=self._manager.tiers[0].name if top.kind in ("ssd", "shm")
+                                            else None)
         else:
             with threads_started_off_forward() as cpus:  # every tier, save and load thread: off the forward's core
                 # its directories are plain file stores: the scheduler's index decides what they keep

@@ -33,9 +33,11 @@ class SchedulerSide:
     (`plan.shard_keys`): a block is a hit only when every rank's shard is held."""
 
     def __init__(self, space: KeySpace, manager: TierManager, world_size: int = 1, *, block_bytes: int | None = None,
-                 saves: bool = True) -> None:
+                 saves: bool = True, promote_into: str | None = None) -> None:
         """`block_bytes`: a saved block's file size, as admitted into the directories' index before it is
-        written (default: the layout's payload); `saves=False` (a disaggregated consumer): nothing sent down."""
+        written (default: the layout's payload); `saves=False` (a disaggregated consumer): nothing sent down;
+        `promote_into`: the directory the worker copies blocks it loaded from below into (its top tier, when
+        that is a directory: the manager promotes what a read found below), admitted here too."""
         self.space = space
         self.world_size = world_size
         self.block_tokens = space.layout.block_tokens
@@ -48,6 +50,7 @@ class SchedulerSide:
         for tier in self._directories.values():
             tier.hand_deletes_off()
         self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> its load's pinned files
+        self._promote_into = self._directories.get(promote_into) if promote_into else None
         self._trackers: dict[str, RequestTracker] = {}
         self._plans: dict[str, LoadPlan] = {}
         self._requests: dict[str, object] = {}   # req_id -> vLLM Request (read only)
@@ -110,6 +113,7 @@ class SchedulerSide:
         tracker.load, tracker.load_block_ids = plan, ids
         tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
         self._pin(request.request_id, plan.keys, plan.tiers)
+        self._admit_promotions(plan.keys, plan.tiers)
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
         """The files of `keys`: every rank's shard of each block."""
@@ -128,6 +132,17 @@ class SchedulerSide:
                 continue
             pins.append((tier, [key for key, h in zip(files, held) if h]))
         self._pins[req_id] = pins
+
+    def _admit_promotions(self, keys: list[bytes], tiers: list[str]) -> None:
+        """The worker will copy the blocks it loads from below its top directory into it: index them
+        there now (what that evicts ships with the step's records, as a save's evictions do)."""
+        top = self._promote_into
+        below = [key for key, where in zip(keys, tiers) if where != top.name] if top is not None else []
+        if below:
+            try:
+                top.admit(self._rank_keys(below), self._block_bytes)
+            except Exception:  # noqa: BLE001 - bookkeeping: the copies are then outside the index
+                log.exception("kvtier: admitting %d promoted blocks into %s failed", len(below), top.name)
 
     def _unpin(self, req_id: str) -> None:
         for tier, files in self._pins.pop(req_id, []):
