@@ -69,10 +69,11 @@ def test_a_watcher_sees_registrations_with_their_origin_and_evictions_in_order()
         assert bm.register(b, key, origin)
     assert bm.register(ids[0], K[0], origins[0])  # the same name again: nothing new
     bm.release(ids)
-    assert log.take() == [BlockEvent(K[0], origins[0]), BlockEvent(K[1], origins[1])]
+    assert log.take() == [BlockEvent(True, K[0], origins[0]), BlockEvent(True, K[1], origins[1])]
     bm.allocate(), bm.allocate()  # both evicted, the tail first
-    assert log.take() == [BlockEvent(K[1], None), BlockEvent(K[0], None)]
+    assert log.take() == [BlockEvent(False, K[1]), BlockEvent(False, K[0])]
     assert log.take() == [] and log.num_dropped == 0
+    assert bm.register(0, K[2]) and log.take() == [BlockEvent(True, K[2])]  # no origin given: still a registration
     for i in range(5):  # a watcher that falls behind loses the oldest, counted
-        log.append(BlockEvent(K[i], None))
+        log.append(BlockEvent(False, K[i]))
     assert [e.key for e in log.take()] == K[2:5] and log.num_dropped == 2

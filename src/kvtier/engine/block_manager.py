@@ -36,10 +36,11 @@ class BlockOrigin:
 
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
-    """`key` entered the device prefix cache (`origin` set) or was evicted from it (`origin` None)."""
+    """`key` entered the device prefix cache (`stored`, from `origin` when its registration said) or was evicted."""
 
+    stored: bool
     key: bytes
-    origin: BlockOrigin | None
+    origin: BlockOrigin | None = None
 
 
 class BlockEvents:
@@ -123,7 +124,7 @@ class BlockManager:
             self.block_to_key[block_id] = None
             evicted = (key, block_id)
             if self.events is not None:
-                self.events.append(BlockEvent(key, None))
+                self.events.append(BlockEvent(False, key))
         else:
             return None
         assert self.ref_counts[block_id] == 0
@@ -142,7 +143,7 @@ class BlockManager:
         self.block_to_key[block_id] = key
         self.key_to_block[key] = block_id
         if self.events is not None:
-            self.events.append(BlockEvent(key, origin))
+            self.events.append(BlockEvent(True, key, origin))
         return True
 
     def release(self, block_ids: list[int]) -> None:

@@ -43,12 +43,14 @@ class ServeKvEvents:
         out: list[dict[str, Any]] = []
         for event in self._device.take():
             block_hash = wire.block_hash(event.key)
-            if event.origin is None:
+            if not event.stored:
                 last = out[-1] if out else None
                 if last is not None and last["type"] == "BlockRemoved":
                     last["block_hashes"].append(block_hash)
                 else:
                     out.append(wire.block_removed([block_hash], wire.MEDIUM_GPU))
+                continue
+            if event.origin is None:  # registered without saying what it holds: nothing to describe it by
                 continue
             info = block_info(block_hash, event.origin)
             self.tracker.describe([event.key], [info])
