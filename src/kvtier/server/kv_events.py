@@ -3,7 +3,7 @@
 Two sources, both watched, neither calling up: the engine's device prefix cache (`BlockManager.watch()`:
 a block registered is stored on the device, medium "GPU" as vLLM names its device on a CPU too; one
 evicted is removed) and each tier (`TierManager.watch()`, mediums as the vLLM connector announces them:
-`integrations/vllm/events.py`). Block hashes are kvtier's own chained keys (low 64 bits): a block's device
+`events/tracker.py`). Block hashes are kvtier's own chained keys (low 64 bits): a block's device
 and tier copies share one; a request's `cache_salt` is in its keys (two tenants' identical blocks are
 two blocks) and, as vLLM does, in the first block's `extra_keys`. A tier event names a key only;
 `KvEventTracker` names it by the description the device gave it when it was registered; a block loaded
@@ -20,7 +20,7 @@ from typing import Any
 from kvtier.engine.block_manager import BlockEvents, BlockOrigin
 from kvtier.events import wire
 from kvtier.events.publisher import KvEventPublisher, KvEventsConfig
-from kvtier.integrations.vllm.events import BlockInfo, KvEventTracker, Stored
+from kvtier.events.tracker import BlockInfo, KvEventTracker, Stored
 
 
 class ServeKvEvents:

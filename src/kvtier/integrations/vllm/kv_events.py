@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
-from kvtier.integrations.vllm.events import BlockInfo, KvEventTracker, ShardedBlocks, Stored
+from kvtier.events.tracker import BlockInfo, KvEventTracker, Stored
+from kvtier.integrations.vllm.tp_events import ShardedBlocks
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.manager import TierManager
 

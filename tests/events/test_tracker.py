@@ -1,7 +1,7 @@
 """`KvEventTracker` (no vLLM): tier events on kvtier keys become vLLM-style block records under vLLM's
-block hashes, one announcement per medium."""
+block hashes, one announcement per medium (the vLLM connector's and `kvtier serve`'s KV events)."""
 
-from kvtier.integrations.vllm.events import BlockInfo, KvEventTracker, Removed, Stored, medium_of
+from kvtier.events.tracker import BlockInfo, KvEventTracker, Removed, Stored, medium_of
 from kvtier.tiers.events import TierEvent
 
 K = [bytes([i]) * 16 for i in range(6)]
@@ -58,43 +58,10 @@ def test_a_lookup_announces_blocks_found_where_this_process_never_wrote_them():
 
 
 def test_described_blocks_no_tier_took_are_forgotten_oldest_first(monkeypatch):
-    import kvtier.integrations.vllm.events as events
+    import kvtier.events.tracker as events
 
     monkeypatch.setattr(events, "MAX_UNHELD_BLOCKS", 2)
     tracker = _tracker(3)
     tracker.apply([TierEvent("ssd", True, K[:3])])
     assert tracker.take() == [Stored(INFO[1], "STORAGE"), Stored(INFO[2], "STORAGE")]
 
-
-def test_tensor_parallel_shards_make_a_block_stored_when_every_rank_has_it_and_removed_at_the_first_gone():
-    from kvtier.integrations.vllm.events import ShardedBlocks
-    from kvtier.integrations.vllm.trackers import shard_keys
-
-    shards = ShardedBlocks(world_size=2)
-    shards.learn(K[:3])
-    rank0, rank1 = shard_keys(K[:3], 0, 2), shard_keys(K[:3], 1, 2)
-    tracker = _tracker()
-    tracker.apply(shards.combine([TierEvent("ssd", True, tuple(rank0)), TierEvent("ssd", True, (rank1[0],))]))
-    assert tracker.take() == [Stored(INFO[0], "STORAGE")]  # K[1], K[2]: rank 1's shard not in yet
-    tracker.apply(shards.combine([TierEvent("ssd", True, (rank1[1], rank1[0]))]))  # a shard again: no news
-    assert tracker.take() == [Stored(INFO[1], "STORAGE")]
-    tracker.apply(shards.combine([TierEvent("ssd", False, (rank0[2], rank1[1]))]))  # K[2] never whole
-    assert tracker.take() == [Removed((101,), "STORAGE")]
-    tracker.apply(shards.combine([TierEvent("ssd", False, (rank0[1],)), TierEvent("dram", True, (K[4],))]))
-    assert tracker.take() == [] and shards.num_unknown == 1  # K[1] already withdrawn; K[4] is not a shard key
-
-
-def test_tensor_parallel_blocks_found_whole_at_lookup_are_withdrawn_at_their_first_missing_shard():
-    from kvtier.integrations.vllm.events import ShardedBlocks
-    from kvtier.integrations.vllm.trackers import shard_keys
-
-    shards = ShardedBlocks(world_size=4, max_blocks=2)
-    shards.learn(K[:2])
-    shards.found(K[:2], ["shm", "ssd"])
-    tracker = _tracker(2)
-    tracker.found(K[:2], ["shm", "ssd"])
-    tracker.take()
-    assert shards.combine([TierEvent("ssd", False, (shard_keys(K[1:2], 3, 4)[0],))]) == \
-        [TierEvent("ssd", False, (K[1],))]
-    shards.learn([K[2]])  # past max_blocks: K[0] forgotten, its shards unknown from now on
-    assert shards.combine([TierEvent("shm", False, (shard_keys(K[:1], 0, 4)[0],))]) == []
