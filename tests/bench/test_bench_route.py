@@ -85,8 +85,8 @@ def test_rows_compare_every_reply_with_the_reference_and_the_report_renders(tmp_
         reference = route._run_chat(server.url, CONVS, W, route.REFERENCE)
         same = route._run_chat(server.url, CONVS, W, "round-robin/local")
     other = route._run_chat("http://127.0.0.1:9", CONVS[:1], W, "dead")  # nothing listens: every request fails
-    replica = {"requests": 2, "prompt_tokens": 100, "computed_tokens": 40, "cached_tokens_by_tier": {"device": 32,
-                                                                                                      "shm": 28}}
+    replica = {"requests": 2, "prompt_tokens": 100, "computed_tokens": 40, "preemptions": 0,
+               "cached_tokens_by_tier": {"device": 32, "shm": 28}}
     rows = [route._row(reference, None, None), route._row(same, reference, [replica, replica]),
             route._row(other, reference, None)]
     assert [r["same_replies_as_reference"] for r in rows] == [None, True, False]

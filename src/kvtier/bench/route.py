@@ -254,6 +254,7 @@ def _replica_counts(before: dict, after: dict) -> dict:
             "prompt_tokens": int(_delta(before, after, "vllm:prompt_tokens_total")),
             "computed_tokens": int(_delta(before, after, "vllm:request_prefill_kv_computed_tokens_sum")),
             "prefill_s": _delta(before, after, "vllm:request_prefill_time_seconds_sum"),
+            "preemptions": int(_delta(before, after, "vllm:num_preemptions_total")),
             "cached_tokens_by_tier": _cached_tokens(before, after)}
 
 
@@ -291,7 +292,8 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
         prompt = sum(r["prompt_tokens"] for r in replicas)
         row |= {"prompt_tokens": prompt, "computed_tokens": sum(r["computed_tokens"] for r in replicas),
                 "cached_tokens_by_tier": cached, "requests_per_replica": [r["requests"] for r in replicas],
-                "prefix_hit_rate": sum(cached.values()) / prompt if prompt else 0.0, "replicas": replicas}
+                "prefix_hit_rate": sum(cached.values()) / prompt if prompt else 0.0,
+                "preemptions": sum(r.get("preemptions", 0) for r in replicas), "replicas": replicas}
     return row
 
 
