@@ -32,9 +32,14 @@ def test_the_openmp_runtime_found_is_torchs_own_not_another_packages_copy():
     assert torch_openmp_path([f"{site}/torch/lib/libiomp5.so"], f"{site}/torch") == f"{site}/torch/lib/libiomp5.so"
 
 
+def _env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "GOMP_SPINCOUNT"}
+    return env | {"OMP_NUM_THREADS": "2"}
+
+
 def _run(script: str) -> list[str]:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                         timeout=120, env=_env())
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -100,3 +105,24 @@ def test_async_engine_start_releases_the_callers_team():
     engine.shutdown()
     """)
     assert int(loaded) == int(base) + 1 and int(started) == int(base) + 1
+
+
+def test_bound_spin_wait_sets_a_default_only_before_torch_loads():
+    env: dict[str, str] = {}
+    assert not openmp.bound_spin_wait(env)  # torch is loaded in this process: too late, nothing set
+    assert env == {}
+    out = _run("""
+    import os
+    from kvtier import openmp
+    print(openmp.bound_spin_wait(), os.environ["GOMP_SPINCOUNT"], openmp.bound_spin_wait())
+    """)
+    assert out == ["True", str(openmp.SPIN_COUNT), "False"]  # set once, and never over a value already there
+
+
+def test_the_kvtier_command_bounds_the_spin_wait_before_torch_loads():
+    out = _run("""
+    import os, sys
+    import kvtier.cli
+    print(os.environ.get("GOMP_SPINCOUNT"))
+    """)
+    assert out == [str(openmp.SPIN_COUNT)]
