@@ -14,7 +14,8 @@ Systems, each on the same prompts, one after the other in one process:
   context; it refuses at start (its message is recorded verbatim) — the status quo;
 - `reference`: kvtier's engine with everything on the device (a budget that holds every request);
 - `exact`: the device budget, `kv_offload="exact"`: sinks + recent window in the arena, the middle in
-  the DRAM tier, attended to through the fetch area (counted in the budget);
+  the DRAM tier, attended to through the fetch area (counted in the budget) by prefill chunks; on the CPU
+  decodes read it in place (`kvtier.offload.in_place`: no copy, so no decode copy rate);
 - `sparse:B`: the same with Quest top-B blocks per layer and KV head at each decode step.
 
 Measured per system and scenario: TTFT (submission to first token), decode tokens/s (steps in which

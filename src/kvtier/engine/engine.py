@@ -130,9 +130,10 @@ class LLMEngine:
         self.max_model_tokens = config.max_model_tokens or int(model_config.max_position_embeddings)
         self.block_manager = BlockManager(self.num_blocks)
         eos_token_ids = _eos_token_ids(loaded.model)
-        self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids,
-                                  OffloadAttention(self.fetch, self.layout.num_layers, self.offload.page_tokens)
-                                  if self.fetch is not None else None)
+        self.offload_attention = (OffloadAttention(self.fetch, self.layout.num_layers, self.offload.page_tokens,
+                                                   getattr(model_config, "num_attention_heads", None),
+                                                   self.layout.num_kv_heads) if self.fetch is not None else None)
+        self.runner = ModelRunner(loaded.model, self.layout, self.arena, eos_token_ids, self.offload_attention)
         self.vocab_size = int(self.runner.lm_head.out_features)
         space = KeySpace(loaded.fingerprint, self.layout, key_codec(self.codec.name, config.kv_codec))
         self.scheduler = Scheduler(

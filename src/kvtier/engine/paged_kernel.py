@@ -488,15 +488,126 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     merge_parts(sp.first, sp.second, partials.data(), out.data_ptr<float>(), out.stride(0), out.stride(1), starts, G, D);
 }
 
+// Decodes (one query per sequence) over two sources of keys, merged by log-sum-exp: the attention over both (an
+// offloaded sequence's host blocks read where they sit in host memory, and its device window). A source is k, v
+// (their data pointers: the bases; D contiguous, tokens `k.stride(-2)` apart), `offsets` [H, S, n] int64: element
+// offsets from the base of each unit of `unit` tokens a KV head reads, in order (each head its own: sparse picks
+// pages per head; K and V at the same offset from their bases), and `lens` [S] (the source's tokens: whole units
+// but the last; 0: none). Every (sequence, head, source) is split into parts of whole chunks over the threads,
+// each part's unnormalized result merged after (`merge_parts`). out, q: [N, Hq, D] fp32, sequence s's query in
+// row query_start[s]; Hq / H <= kRows.
+void paged_decode_two(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k1, const at::Tensor& v1,
+                      const at::Tensor& offsets1, const at::Tensor& lens1, int64_t unit1, const at::Tensor& k2,
+                      const at::Tensor& v2, const at::Tensor& offsets2, const at::Tensor& lens2, int64_t unit2,
+                      const at::Tensor& query_start, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1 &&
+              q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "q and out: [N, Hq, D] fp32");
+  const at::Tensor* ks[2] = {&k1, &k2};
+  const at::Tensor* vs[2] = {&v1, &v2};
+  const at::Tensor* offsets[2] = {&offsets1, &offsets2};
+  const at::Tensor* lens_t[2] = {&lens1, &lens2};
+  const int64_t units[2] = {unit1, unit2};
+  const int64_t S = query_start.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t H = offsets1.size(0), G = Hq / H;
+  TORCH_CHECK(Hq % H == 0 && G <= kRows && D <= kMaxHeadDim, "heads: Hq / H <= ", kRows);
+  TORCH_CHECK(query_start.scalar_type() == at::kLong && query_start.is_contiguous(), "query_start: int64");
+  for (int src = 0; src < 2; ++src) {
+    const at::Tensor &k = *ks[src], &v = *vs[src], &o = *offsets[src], &l = *lens_t[src];
+    TORCH_CHECK(k.size(-1) == D && v.size(-1) == D && k.stride(-1) == 1 && v.stride(-1) == 1 &&
+                k.stride(-2) == v.stride(-2) && k.scalar_type() == k1.scalar_type() &&
+                v.scalar_type() == k1.scalar_type() && units[src] > 0, "k, v: D contiguous, one dtype and layout");
+    TORCH_CHECK(o.dim() == 3 && o.size(0) == H && o.size(1) == S && l.size(0) == S, "offsets [H, S, n], lens [S]");
+    for (const at::Tensor* m : {&o, &l})
+      TORCH_CHECK(m->scalar_type() == at::kLong && m->is_contiguous(), "metadata: contiguous int64");
+    const int64_t* len = l.data_ptr<int64_t>();
+    const int64_t* off = o.data_ptr<int64_t>();
+    // every unit read lies inside k's and v's storage
+    const int64_t last = (units[src] - 1) * k.stride(-2) + D;
+    for (const at::Tensor* t : {&k, &v}) {
+      const int64_t lo = -t->storage_offset();
+      const int64_t hi = static_cast<int64_t>(t->storage().nbytes() / t->element_size()) - t->storage_offset();
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t n = (len[s] + units[src] - 1) / units[src];
+          TORCH_CHECK(n <= o.size(2), "sequence ", s, ": more units than offsets");
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t x = off[(h * S + s) * o.size(2) + j];
+            TORCH_CHECK(x >= lo && x + last <= hi, "an offset outside the KV's storage");
+          }
+        }
+    }
+  }
+  const int64_t* starts = query_start.data_ptr<int64_t>();
+  const std::vector<int64_t> ones(S, 1);
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t want = std::max<int64_t>(1, (4 * num_threads + S * H - 1) / (S * H));  // parts per (seq, head)
+  struct Work { Item item; int src; };
+  std::vector<Work> work;
+  std::vector<Item> firsts;  // per (seq, head): its rows and first part, for the merge
+  std::vector<int64_t> num_parts_of;
+  int64_t num_parts = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t h = 0; h < H; ++h) {
+      Item first{s, h, 0, 1, 0};
+      first.part = num_parts;
+      for (int src = 0; src < 2; ++src) {
+        const int64_t T = units[src], len = lens_t[src]->data_ptr<int64_t>()[s];
+        if (len == 0) continue;
+        const int64_t blocks = (len + T - 1) / T, per_chunk = std::max<int64_t>(1, kChunkTokens / T);
+        const int64_t parts = std::max<int64_t>(1, std::min(want, blocks / per_chunk));
+        const int64_t per_part = (blocks + parts - 1) / parts;
+        for (int64_t j = 0; j < blocks; j += per_part) {
+          Item part{s, h, 0, 1, (std::min(blocks, j + per_part) - j) * T};
+          part.j_begin = j;
+          part.j_end = std::min(blocks, j + per_part);
+          part.part = num_parts++;
+          work.push_back({part, src});
+        }
+      }
+      TORCH_CHECK(num_parts > first.part, "sequence ", s, ": no keys");
+      firsts.push_back(first);
+      num_parts_of.push_back(num_parts - first.part);
+    }
+  }
+  std::vector<float> partials(num_parts * kRows * (D + 2));
+  std::stable_sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.item.cost > b.item.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(work.size());
+  const int64_t num_workers = std::max<int64_t>(1, std::min<int64_t>(num_threads, num_items));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k1.scalar_type(), "kvtier_paged_decode_two", [&] {
+    at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch;
+      std::vector<int64_t> counts;
+      for (int64_t i = next++; i < num_items; i = next++) {
+        const Work& w = work[i];
+        const at::Tensor &k = *ks[w.src], &v = *vs[w.src], &o = *offsets[w.src];
+        // this head's offsets [S, n]; a "block" j of the item is at base + offset (block stride 1, head stride 0)
+        const int64_t* table = o.data_ptr<int64_t>() + w.item.head * S * o.size(2);
+        attend_item<scalar_t>(w.item, q.data_ptr<float>(), q.stride(0), q.stride(1), out.data_ptr<float>(),
+                              out.stride(0), out.stride(1), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), table,
+                              o.size(2), lens_t[w.src]->data_ptr<int64_t>(), starts, ones.data(), G, units[w.src], D,
+                              1, 0, k.stride(-2), 1, 0, v.stride(-2), static_cast<float>(scale), scratch, counts,
+                              partials.data());
+      }
+    });
+  });
+  for (size_t i = 0; i < firsts.size(); ++i)
+    merge_parts(firsts[i], num_parts_of[i], partials.data(), out.data_ptr<float>(), out.stride(0), out.stride(1),
+                starts, G, D);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvtier, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start, Tensor query_lens, float scale) -> ()");
+  m.def("paged_decode_two(Tensor(a!) out, Tensor q, Tensor k1, Tensor v1, Tensor offsets1, Tensor lens1, int unit1, "
+        "Tensor k2, Tensor v2, Tensor offsets2, Tensor lens2, int unit2, Tensor query_start, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvtier, CPU, m) {
   m.impl("paged_attention", &paged_attention);
+  m.impl("paged_decode_two", &paged_decode_two);
 }
 """
 
@@ -539,3 +650,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     the S sequences: sequence s's queries are rows query_start[s] .. + query_lens[s], the last ones of
     its seq_lens[s] tokens; each attends to its sequence's keys up to its own position."""
     torch.ops.kvtier.paged_attention(out, q, k, v, block_tables, seq_lens, query_start, query_lens, scale)
+
+
+
+def paged_decode_two(out: torch.Tensor, q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, offsets1: torch.Tensor,
+                     lens1: torch.Tensor, unit1: int, k2: torch.Tensor, v2: torch.Tensor, offsets2: torch.Tensor,
+                     lens2: torch.Tensor, unit2: int, query_start: torch.Tensor, scale: float) -> None:
+    """Decodes over two sources of keys, merged by log-sum-exp (an offloaded sequence's host blocks read in place,
+    and its device window). out, q: [N, Hq, D] fp32 (D contiguous), sequence s's one query in row query_start[s].
+    A source: k, v (bases; D contiguous, tokens k.stride(-2) apart), offsets [H, S, n] int64 (element offsets
+    from the bases of the units of `unit` tokens each KV head reads, in order; checked against the storage),
+    lens [S] int64 (its tokens; 0: none). Hq / H <= 8. A new entry point beside `paged_attention` (issue 33)."""
+    torch.ops.kvtier.paged_decode_two(out, q, k1, v1, offsets1, lens1, unit1, k2, v2, offsets2, lens2, unit2,
+                                      query_start, scale)

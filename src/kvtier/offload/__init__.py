@@ -43,5 +43,6 @@ it: `make gpu-check` runs its tests (tests/engine/test_offload.py -k cuda) when 
 Modules: `config` (the mode and the window's layout, parsed once: `OffloadConfig`; torch-free), `pages` (page
 summaries and selection), `attend` (partial attentions, merged by log-sum-exp), `fetch` (`FetchArea`),
 `attention` (`OffloadAttention`: what the engine's attention backend calls; `HostBlocks`, `SeqOffload`),
+`in_place` (decodes on the CPU: host blocks read where they sit, one kernel call a layer, no fetch area),
 `stats` (`OffloadStats`). `kvtier.hf_offload` is the transformers glue over the same pieces.
 """

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvtier.offload.attend import attend, merge
 from kvtier.offload.config import OffloadMode
 from kvtier.offload.fetch import FetchArea
+from kvtier.offload.in_place import InPlaceDecode
 from kvtier.offload.pages import select_pages
 from kvtier.offload.stats import OffloadStats
 
@@ -41,6 +42,7 @@ class SeqOffload:
     key_positions: torch.Tensor    # [device context] positions of the keys `arena.gather` returns
     decode: bool                   # one query: sparse applies (prefill chunks are exact)
     stats: OffloadStats
+    host_offsets: torch.Tensor | None = None  # exact, read in place: its blocks' offsets (`InPlaceDecode`), once a step
 
 
 def window_positions(block_ids: list[int], block_tokens: int, end: int) -> list[int]:
@@ -60,12 +62,19 @@ class OffloadAttention:
     call (the kernel the rest of the engine uses) covers the whole context; otherwise the pieces are
     merged by their log-sum-exp."""
 
-    def __init__(self, fetch: FetchArea, num_layers: int, page_tokens: int | None = None) -> None:
+    def __init__(self, fetch: FetchArea, num_layers: int, page_tokens: int | None = None,
+                 num_heads: int | None = None, num_kv_heads: int | None = None) -> None:
         self.fetch = fetch
         self.num_layers = num_layers
         self.page_tokens = page_tokens or fetch.block_tokens  # None: a page is the block
         self.pages_per_block = fetch.block_tokens // self.page_tokens
         assert self.pages_per_block * self.page_tokens == fetch.block_tokens, (self.page_tokens, fetch.block_tokens)
+        # decodes on the CPU: host blocks read in place, one kernel call a layer (`InPlaceDecode`)
+        self.in_place = None
+        if (fetch.host is not None and num_heads and num_kv_heads
+                and InPlaceDecode.usable(fetch.device, num_heads, num_kv_heads)):
+            self.in_place = InPlaceDecode(fetch.host, self.page_tokens)
+        self.in_place_bytes = 0  # host KV read in place (the rest of what sequences fetched went through the area)
 
     def plan(self, offloads: list[SeqOffload | None]) -> None:
         """Before the forward: every exact piece of the step in attention order (layer, then sequence)."""
@@ -73,10 +82,13 @@ class OffloadAttention:
         half = self.fetch.half_blocks
         for layer in range(self.num_layers):
             for off in offloads:
-                if off is None or not off.slots.numel() or self._sparse(off):
+                if off is None or not off.slots.numel() or self._sparse(off) or self._reads_in_place(off):
                     continue
                 plan += [(layer, off.slots[i:i + half]) for i in range(0, off.slots.numel(), half)]
         self.fetch.begin(plan)
+
+    def _reads_in_place(self, off: SeqOffload) -> bool:
+        return self.in_place is not None and off.decode and off.slots.numel() > 0
 
     def _sparse(self, off: SeqOffload) -> bool:
         num_pages = off.slots.numel() * self.pages_per_block
@@ -87,6 +99,8 @@ class OffloadAttention:
         """q [Hq, N, D]; k_dev, v_dev [H, M, D] (the device window) -> out [Hq, N, D]."""
         h = k_dev.shape[0]
         hq, n, d = q.shape
+        if self._reads_in_place(off):
+            return self._in_place(layer, q, k_dev, v_dev, off, scale)
         dev_mask = off.key_positions[None, :] <= off.q_positions[:, None]  # [N, M]
         num_host = off.slots.numel()
         if self._sparse(off):  # each head's top pages: slots [k, H], pages [k, H]
@@ -109,6 +123,22 @@ class OffloadAttention:
         for k_host, v_host in self._pieces(layer, slots, pages, t, off):
             out, lse = merge(out, lse, *attend(q4, k_host, v_host, None, scale))
         return out.view(hq, n, d)
+
+    def _in_place(self, layer: int, q: torch.Tensor, k_dev: torch.Tensor, v_dev: torch.Tensor, off: SeqOffload,
+                  scale: float) -> torch.Tensor:
+        """A decode over its host blocks (sparse: each head's picked pages) read in place, and its window."""
+        h, (hq, _, d) = k_dev.shape[0], q.shape
+        if self._sparse(off):
+            k = off.mode.num_fetched(off.slots.numel() * self.pages_per_block)
+            top = select_pages(off.summaries[:, layer], q[:, -1].reshape(h, hq // h, d), k)  # [k, H]
+            offsets, unit = self.in_place.page_offsets(off.slots, top), self.page_tokens
+        else:
+            if off.host_offsets is None:
+                off.host_offsets = self.in_place.exact_offsets(off.slots)
+            offsets, unit = off.host_offsets, self.fetch.block_tokens
+        num_bytes = self._count(off, offsets.shape[-1] * unit, 0.0)
+        self.in_place_bytes += num_bytes
+        return self.in_place.forward(layer, q, k_dev, v_dev, offsets, unit, scale)
 
     def _fetch_one(self, layer: int, slots: torch.Tensor, pages: torch.Tensor | None, t: int,
                    off: SeqOffload) -> tuple[int, int]:
@@ -146,10 +176,11 @@ class OffloadAttention:
         top = select_pages(off.summaries[:, layer], q4[:, :, -1], k).cpu()  # [k, H]: block * pages + page
         return off.slots[top // self.pages_per_block], top % self.pages_per_block
 
-    def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> None:
+    def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> int:
         buffer = self.fetch.buffer
         num_bytes = 2 * buffer.shape[2] * num_tokens * buffer.shape[-1] * buffer.element_size()
         off.stats.fetched_bytes += num_bytes
         off.stats.fetch_seconds += seconds
         if off.decode:
             off.stats.decode_fetched_bytes += num_bytes
+        return num_bytes
