@@ -33,6 +33,7 @@ from kvtier.offload.attention import HostBlocks, OffloadAttention
 from kvtier.offload.config import OffloadMode, parse_offload
 from kvtier.offload.fetch import FetchArea
 from kvtier.offload.pages import page_summary
+from kvtier.offload.pool import HostBlockPool, HostRoomError  # noqa: F401 — HostRoomError: the server's
 from kvtier.offload.stats import OffloadStats
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
@@ -41,15 +42,6 @@ from kvtier.transfer import PinnedInHost
 from kvtier.transfer.copies import copy_threads
 
 log = logging.getLogger(__name__)
-
-
-class HostRoomError(ValueError):
-    """An offloaded request whose host blocks do not fit the host memory left (the message is for
-    the client). `ever` is False when it could never fit (a 400), True when others hold the room now (429)."""
-
-    def __init__(self, message: str, ever: bool) -> None:
-        super().__init__(message)
-        self.ever = ever
 
 
 class OffloadUnavailableError(ValueError):
@@ -148,20 +140,17 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self.step_tier_io_seconds = 0.0
         self.num_tokens_computed = 0
-        self.host_blocks_reserved = 0
-        self._room_held_by_loads: dict[str, int] = {}  # ended offloaded requests' host room, until their load is back
         self.offload_fetched_bytes = 0
         self.offload_fetch_seconds = 0.0
 
     def _fetch_area(self, manager, device) -> FetchArea:
         """The device memory host blocks are attended from, taken out of the budget."""
-        host = manager.host_tier()  # check_engine: there is one
         layout, config = self.layout, self.config
+        self.host_pool = HostBlockPool(manager, layout.block_bytes)  # check_engine: there is a DRAM tier
         half = fetch_half_blocks(layout, config)
         fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
                           getattr(torch, layout.dtype), device, self.offload.window_tokens)
-        fetch.host = manager.host_payloads(getattr(torch, layout.dtype), layout.block_shape)
-        self.host_slots = host.num_slots
+        fetch.host = self.host_pool.payloads(getattr(torch, layout.dtype), layout.block_shape)
         return fetch
 
     # -- requests --------------------------------------------------------------------------------
@@ -181,7 +170,7 @@ class LLMEngine:
         mode = self._offload_for(len(prompt_token_ids), sampling)
         if mode is not None:
             need = self._host_blocks_needed(len(prompt_token_ids) + sampling.max_tokens)
-            self._check_host_room(need)
+            self.host_pool.check_room(need)
             seq.host = HostBlocks(mode, need, stats=OffloadStats(mode=str(mode)))
             if mode.kind == "sparse":
                 num_blocks = -(-(len(prompt_token_ids) + sampling.max_tokens) // self.layout.block_tokens)
@@ -191,7 +180,7 @@ class LLMEngine:
                                                   self.layout.head_dim),
                                                  dtype=getattr(torch, self.layout.dtype), device=self.arena.device)
                 seq.host.stats.summary_bytes = seq.host.summaries.numel() * seq.host.summaries.element_size()
-            self.host_blocks_reserved += need
+            self.host_pool.reserve(request_id, need)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -222,17 +211,10 @@ class LLMEngine:
     def _host_blocks_needed(self, num_tokens: int) -> int:
         return self.offload.host_blocks_needed(num_tokens)
 
-    def _check_host_room(self, need: int) -> None:
-        block_bytes = self.layout.block_bytes
-        if need > self.host_slots:
-            raise HostRoomError(f"host memory: this request keeps {need} blocks ({need * block_bytes:,} B) in the "
-                                f"DRAM tier, which holds {self.host_slots} blocks in all: shorten the prompt or "
-                                "max_tokens, or give the DRAM tier more memory", ever=False)
-        free = self.host_slots - self.host_blocks_reserved
-        if need > free:
-            raise HostRoomError(f"host memory: this request keeps {need} blocks ({need * block_bytes:,} B) in the "
-                                f"DRAM tier; {free} of its {self.host_slots} blocks are free now (the rest hold "
-                                "running long requests): retry later", ever=True)
+    @property
+    def host_blocks_reserved(self) -> int:
+        """Host slots set aside for the offloaded requests admitted (`HostBlockPool`)."""
+        return self.host_pool.num_reserved if self.fetch is not None else 0
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int, kv_offload: str | None = None) -> None:
         """Raise ValueError (a message for the client) if such a request cannot run here:
@@ -248,7 +230,7 @@ class LLMEngine:
             raise OffloadUnavailableError("kv_offload: this server runs with offload off (start it with --kv-offload)")
         num_tokens, limit = num_prompt_tokens + max_tokens, self.request_token_limit(kv_offload)
         if num_tokens <= limit and num_tokens > self.max_device_tokens:
-            self._check_host_room(self._host_blocks_needed(num_tokens))
+            self.host_pool.check_room(self._host_blocks_needed(num_tokens))
         if num_tokens <= limit:
             return
         room = max(limit - num_prompt_tokens, 0)
@@ -356,13 +338,9 @@ class LLMEngine:
     def _offload_block(self, offload: Offload) -> None:
         """Pin a block of an offloaded sequence in host memory (where DRAM holds it already, else
         copied from the device), with its key summary for sparse attention."""
-        seq, host = offload.seq, offload.seq.host
-        slot = self.manager.pin_host(offload.key, None)
-        if slot is None:
-            data = self.codec.encode(self.arena.block_tensor(offload.block_id), offload.key)
-            slot = self.manager.pin_host(offload.key, data)
-        if slot is None:
-            raise RuntimeError(f"host memory could not hold a block of request {seq.request_id}")
+        host = offload.seq.host
+        slot = self.host_pool.pin(offload.key, lambda: self.codec.encode(self.arena.block_tensor(offload.block_id),
+                                                                         offload.key))
         summaries = [] if host.summaries is None else [page_summary(self.arena.k_cache[:, offload.block_id],
                                                                     self.offload.page_tokens)]
         self._add_host_blocks(host, [slot], [offload.key], summaries)
@@ -389,7 +367,7 @@ class LLMEngine:
     def _unpin(self) -> None:
         keys = self.scheduler.take_unpinned()
         if keys:
-            self.manager.unpin_host(keys)
+            self.host_pool.unpin(keys)
 
     def _finish_loads(self, timeout_s: float = 0.0) -> None:
         """Let the scheduler run the sequences whose tier loads finished. Blocks the worker returned
@@ -410,7 +388,8 @@ class LLMEngine:
         num_loaded, host, host_tiers = done.num_written, done.host, []
         seq = self.scheduler.loading.get(done.request_id)
         if seq is None:  # the request ended meanwhile: nobody attends over its host blocks
-            self.host_blocks_reserved -= self._room_held_by_loads.pop(done.request_id, 0)
+            if self.fetch is not None:
+                self.host_pool.load_returned(done.request_id)
         else:
             try:
                 for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
@@ -425,7 +404,7 @@ class LLMEngine:
                 except Exception:  # noqa: BLE001 — computed instead
                     log.exception("taking a loaded prefix's host blocks failed")
         if host and not host_tiers:
-            self.manager.unpin_host(host.keys)
+            self.host_pool.unpin(host.keys)
         # registered only now that their KV is written
         self.scheduler.finish_load(done.request_id, num_loaded, done.tiers, host_tiers)
 
@@ -471,10 +450,8 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         self.runner.forget(request_id)
         if seq is not None and seq.host is not None:
-            if self.scheduler.has_load_in_flight(request_id):  # it may still pin host slots: room kept till then
-                self._room_held_by_loads[request_id] = seq.host.reserved_blocks
-            else:
-                self.host_blocks_reserved -= seq.host.reserved_blocks
+            # a load in flight may still pin host slots: its room is kept till the load is back
+            self.host_pool.release(request_id, load_in_flight=self.scheduler.has_load_in_flight(request_id))
             self.offload_fetched_bytes += seq.host.stats.fetched_bytes
             self.offload_fetch_seconds += seq.host.stats.fetch_seconds
             seq.host.reserved_blocks = 0
@@ -499,7 +476,8 @@ class LLMEngine:
         if self.transfer is not None:
             self.transfer.close()
             for done in self.transfer.poll():  # loads nobody will run: their leases and host slots go back
-                self.manager.unpin_host(done.host.keys)
+                if self.fetch is not None:
+                    self.host_pool.unpin(done.host.keys)
                 done.release()
         if self.fetch is not None:
             self.fetch.close()

@@ -3,7 +3,7 @@
 A sequence whose prompt + max_tokens is more than the device budget holds (issue 18) keeps only a
 *window* of its blocks in the device arena: the first `sink_blocks` (attention sinks, StreamingLLM)
 and the last `recent_blocks` (the block being written and the ones just before it). Every full
-block between them lives in host memory — a pinned slot of the DRAM tier (`TierManager.pin_host`:
+block between them lives in host memory — a pinned slot of the DRAM tier (`HostBlockPool.pin`:
 one host memory, the same slots prefix caching uses; a block written through when it was computed
 is pinned where it already is, checked by its key-bound header). Attention over the middle runs
 from a fixed *fetch area* on the device (counted in the device budget, two halves):
@@ -44,5 +44,6 @@ Modules: `config` (the mode and the window's layout, parsed once: `OffloadConfig
 summaries and selection), `attend` (partial attentions, merged by log-sum-exp), `fetch` (`FetchArea`),
 `attention` (`OffloadAttention`: what the engine's attention backend calls; `HostBlocks`, `SeqOffload`),
 `in_place` (decodes on the CPU: host blocks read where they sit, one kernel call a layer, no fetch area),
+`pool` (`HostBlockPool`: the engine's one owner of the host slots, room and pins of offloaded requests),
 `stats` (`OffloadStats`). `kvtier.hf_offload` is the transformers glue over the same pieces.
 """
