@@ -119,10 +119,26 @@ def test_bound_spin_wait_sets_a_default_only_before_torch_loads():
     assert out == ["True", str(openmp.SPIN_COUNT), "False"]  # set once, and never over a value already there
 
 
-def test_the_kvtier_command_bounds_the_spin_wait_before_torch_loads():
+def test_kvtier_serve_bounds_the_spin_wait_before_torch_loads():
     out = _run("""
     import os, sys
-    import kvtier.cli
-    print(os.environ.get("GOMP_SPINCOUNT"))
+    import kvtier.server.cli as serve_cli
+    from kvtier.cli import main
+
+    def build_app(config):  # where the model would load: stop there (set at all: torch was not loaded yet)
+        print(os.environ.get("GOMP_SPINCOUNT"))
+        raise SystemExit(0)
+    serve_cli.build_app = build_app
+    main(["serve"])
     """)
     assert out == [str(openmp.SPIN_COUNT)]
+
+
+def test_other_commands_leave_the_spin_wait_to_libgomp():  # the benches' vLLM servers inherit the environment
+    out = _run("""
+    import os
+    import kvtier.cli
+    kvtier.cli._register_all()
+    print(os.environ.get("GOMP_SPINCOUNT"))
+    """)
+    assert out == ["None"]

@@ -12,10 +12,6 @@ import sys
 
 import typer
 
-from kvtier import openmp
-
-openmp.bound_spin_wait()  # before a command module imports torch: libgomp reads it once (kvtier/openmp.py)
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="kvtier: size, shrink and spill the KV cache of long-context LLM inference.")
 

@@ -20,9 +20,11 @@ Both are no-ops where torch's OpenMP runtime cannot be found (another build, ano
 With one team, its threads spin between regions (libgomp's default: ~300,000 spins, a few ms) — the
 speed above on a quiet box, but a collapse beside another busy process: a spinning thread keeps its
 core while its partner waits for a time slice, at each region (a `kvtier serve` decode step went from
-35 ms to 1.4 s beside a test run). `bound_spin_wait()`, called by the `kvtier` command before torch is
+35 ms to 1.4 s beside a test run). `bound_spin_wait()`, called by `kvtier serve` before torch is
 imported, sets a shorter spin (`SPIN_COUNT`, unless GOMP_SPINCOUNT is set): long enough to bridge the
 forward's Python between two regions, short enough that a waiting thread sleeps and gives its core up.
+Not in the other commands: the benches start vLLM servers that would inherit it (their baselines keep
+libgomp's default).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the calling thread's threads, keep the runtime
-SPIN_COUNT = 2000  # libgomp's GOMP_SPINCOUNT for the `kvtier` command (docs/benchmarks/serve.md)
+SPIN_COUNT = 2000  # libgomp's GOMP_SPINCOUNT for `kvtier serve` (docs/benchmarks/serve.md)
 
 
 def bound_spin_wait(env=os.environ) -> bool:
