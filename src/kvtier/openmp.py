@@ -18,13 +18,12 @@ Both are no-ops where torch's OpenMP runtime cannot be found (another build, ano
 (vLLM's CPU worker has the same trap: `kvtier.integrations.vllm.cpus`.)
 
 With one team, its threads spin between regions (libgomp's default: ~300,000 spins, a few ms) — the
-speed above on a quiet box, but a collapse beside another busy process: a spinning thread keeps its
-core while its partner waits for a time slice, at each region (a `kvtier serve` decode step went from
-35 ms to 1.4 s beside a test run). `bound_spin_wait()`, called by `kvtier serve` before torch is
-imported, sets a shorter spin (`SPIN_COUNT`, unless GOMP_SPINCOUNT is set): long enough to bridge the
-forward's Python between two regions, short enough that a waiting thread sleeps and gives its core up.
-Not in the other commands: the benches start vLLM servers that would inherit it (their baselines keep
-libgomp's default).
+speed above on a box the server has to itself (the benchmarked configuration, and vLLM's). Beside another
+busy process on the same cores it collapses: a spinning thread keeps its core while its partner waits for a
+time slice, at each region (a `kvtier serve` decode step went from 35 ms to 1.4 s beside a test run). There,
+start the server with `GOMP_SPINCOUNT=2000` (libgomp's own variable, read when torch loads): measured 73-109
+ms a step beside the test run, but 49-52 vs 41-42 ms on a quiet box (docs/benchmarks/serve.md); so it is not
+the default.
 """
 
 from __future__ import annotations
@@ -39,18 +38,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the calling thread's threads, keep the runtime
-SPIN_COUNT = 2000  # libgomp's GOMP_SPINCOUNT for `kvtier serve` (docs/benchmarks/serve.md)
-
-
-def bound_spin_wait(env=os.environ) -> bool:
-    """Set GOMP_SPINCOUNT to `SPIN_COUNT` unless it is set; libgomp reads it once, when torch loads it, so
-    this works only before `import torch` (False after, or where it was set)."""
-    import sys
-
-    if "torch" in sys.modules or "GOMP_SPINCOUNT" in env:
-        return False
-    env["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
-    return True
 
 
 def torch_openmp_path(mapped_paths: list[str], torch_dir: str) -> str | None:

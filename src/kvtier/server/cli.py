@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import typer
 
-from kvtier import openmp
 from kvtier.config import command_settings
 from kvtier.server.config import ServeConfig
 
@@ -70,7 +69,6 @@ def register(app: typer.Typer) -> None:
         *, settings: dict,
     ) -> None:
         """Serve the OpenAI API (completions, chat, SSE) on a fixed device KV budget with tiered prefixes."""
-        openmp.bound_spin_wait()  # before torch loads: libgomp reads it once (kvtier/openmp.py)
         import uvicorn
 
         config = ServeConfig.load(config_file, **{**settings, **({"tiers": []} if no_tiers else {})})
