@@ -163,13 +163,10 @@ def test_blocks_kvtier_evicted_are_gone_from_the_index(replica, prompts):
 
 
 def _tier_counts(replica) -> dict[str, int]:
-    """Dynamo's index: how many blocks of the replica each storage tier holds."""
-    blocks: dict[str, set[int]] = {}
-    for entry in replica["indexer"].dump().get(f"{MODEL}:default", {}).get("events", []):
-        if entry["worker_id"] == WORKER_ID:
-            tier = blocks.setdefault(entry["storage_tier"], set())
-            tier.update(block["block_hash"] for block in entry["event"]["data"].get("stored", {}).get("blocks", []))
-    return {tier: len(hashes) for tier, hashes in blocks.items() if tier != "device"}
+    """Dynamo's index: how many blocks of the replica each storage tier below the device holds."""
+    counts = replica["indexer"].tier_counts(MODEL, WORKER_ID)
+    counts.pop("device", None)
+    return counts
 
 
 def _file_counts(replica) -> dict[str, int]:

@@ -122,12 +122,7 @@ def test_the_index_holds_what_kvtier_holds_after_the_ssd_evicts(replica):
 
 def _tier_counts(replica) -> dict[str, int]:
     """Dynamo's index: how many blocks of the replica each storage tier holds."""
-    blocks: dict[str, set[int]] = {}
-    for entry in replica["indexer"].dump().get(f"{MODEL}:default", {}).get("events", []):
-        if entry["worker_id"] == WORKER_ID:
-            tier = blocks.setdefault(entry["storage_tier"], set())
-            tier.update(block["block_hash"] for block in entry["event"]["data"].get("stored", {}).get("blocks", []))
-    return {tier: len(hashes) for tier, hashes in blocks.items()}
+    return replica["indexer"].tier_counts(MODEL, WORKER_ID)
 
 
 def _own_counts(replica, engine) -> dict[str, int]:

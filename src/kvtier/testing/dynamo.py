@@ -139,6 +139,16 @@ class DynamoIndexer:
             raise RuntimeError(f"/dump answered {status}: {text}")
         return json.loads(text)
 
+    def tier_counts(self, model_name: str, worker_id: int) -> dict[str, int]:
+        """How many distinct blocks of `worker_id` the index holds in each storage tier (`device`, `host_pinned`,
+        `disk`, ...), from `dump()`."""
+        blocks: dict[str, set[int]] = {}
+        for entry in self.dump().get(f"{model_name}:default", {}).get("events", []):
+            if entry["worker_id"] == worker_id:
+                tier = blocks.setdefault(entry["storage_tier"], set())
+                tier.update(block["block_hash"] for block in entry["event"]["data"].get("stored", {}).get("blocks", []))
+        return {tier: len(hashes) for tier, hashes in blocks.items()}
+
 
 class KvEventTap:
     """Every KV event batch a vLLM publisher sends, as JSON lines ([seq, ts, events]) in `out_path`: a
