@@ -442,9 +442,11 @@ class Scheduler:
             if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key, self._origin(seq, i)):
                 self._newly_full.append((key, seq.block_ids[i]))
 
-    def _origin(self, seq: Sequence, index: int, tier: str | None = None) -> BlockOrigin:
-        """What block `index`'s key was hashed from, and the tier it was loaded from (for the block manager's
-        watcher)."""
+    def _origin(self, seq: Sequence, index: int, tier: str | None = None) -> BlockOrigin | None:
+        """What block `index`'s key was hashed from, and the tier it was loaded from, for the block manager's
+        watcher (None, nothing built, when no one watches)."""
+        if self.block_manager.events is None:
+            return None
         start, keys = index * self.block_tokens, seq.key_chain.keys
         return BlockOrigin(keys[index - 1] if index else None, tuple(seq.token_ids[start:start + self.block_tokens]),
                            seq.namespace, tier)
