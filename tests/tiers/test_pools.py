@@ -118,6 +118,7 @@ def test_another_server_sees_the_blocks(pool_service, tmp_path):
     pool_name = b.tiers[1].name
     assert b.lookup(keys) == [pool_name] * 3
     assert b.get_prefix(keys) == [_block(i, keys[i]) for i in range(3)]
+    b.flush()  # the promotion runs on the writer thread, after the read
     assert b.lookup(keys) == ["dram"] * 3  # promoted into B's DRAM
     a.close(), b.close()
 
