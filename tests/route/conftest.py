@@ -7,10 +7,13 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
+import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -19,6 +22,33 @@ from kvtier.route.replicas import Replica, ReplicaSet
 from kvtier.route.selectors import make_selector
 from kvtier.testing.app_thread import AppThread
 from kvtier.ports import free_port
+
+
+def batch(events: list[dict]) -> bytes:
+    """vLLM's `KVEventBatch` on the wire: msgpack [ts, events, dp_rank], each event a map tagged `type`."""
+    return msgpack.packb([time.time(), events, 0], use_bin_type=True)
+
+
+def stored_chain(token_ids: list[int], first_hash: int, block_size: int, medium: str) -> list[dict]:
+    """vLLM's `BlockStored` for each full block of `token_ids`, hashes first_hash, first_hash + 1, ..."""
+    return [{"type": "BlockStored", "block_hashes": [first_hash + i],
+             "parent_block_hash": first_hash + i - 1 if i else None,
+             "token_ids": token_ids[i * block_size:(i + 1) * block_size], "block_size": block_size, "lora_id": None,
+             "medium": medium, "lora_name": None, "extra_keys": None} for i in range(len(token_ids) // block_size)]
+
+
+class EventPublisher:
+    """A replica's KV event stream: a ZMQ PUB socket at `endpoint`, vLLM's frames (topic, sequence, batch)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.bind(endpoint)
+        self.seq = 0
+
+    def publish(self, events: list[dict]) -> None:
+        self.sock.send_multipart((b"", self.seq.to_bytes(8, "big"), batch(events)))
+        self.seq += 1
 
 
 @dataclass

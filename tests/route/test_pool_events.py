@@ -9,17 +9,21 @@ each event a map tagged `type`), as `tests/integrations/test_vllm_kv_events.py` 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 
-from kvtier.route.pool_events import PoolEventRelay, shared_part
-from kvtier.route.replicas import Replica
-from kvtier.route.selectors import DynamoSelector
-from kvtier.testing.dynamo import DYNAMO_PYTHON
-from kvtier.testing.dynamo_select import DynamoSelectService
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import EventPublisher, batch as _batch  # noqa: E402
+
+from kvtier.route.pool_events import PoolEventRelay, shared_part  # noqa: E402
+from kvtier.route.replicas import Replica  # noqa: E402
+from kvtier.route.selectors import DynamoSelector  # noqa: E402
+from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
+from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
 
 BLOCK = 4
 TOKENS = list(range(100, 100 + 4 * BLOCK))
@@ -36,27 +40,12 @@ def _removed(hashes: list[int], medium: str) -> list[dict]:
     return [{"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}]
 
 
-def _batch(events: list[dict]) -> bytes:
-    return msgpack.packb([time.time(), events, 0], use_bin_type=True)
-
 
 def test_only_a_batch_s_shared_blocks_are_relayed():
     events = _stored([1, 2], "GPU") + _stored([11, 12], "SHARED") + _removed([5], "CPU") + _removed([11], "SHARED")
     ts, relayed, dp_rank = msgpack.unpackb(shared_part(_batch(events)), raw=False)
     assert relayed == events[2:4] + events[5:] and dp_rank == 0
     assert shared_part(_batch(_stored([1], "CPU") + [{"type": "AllBlocksCleared"}])) is None
-
-
-class _Replica:
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.sock = zmq.Context.instance().socket(zmq.PUB)
-        self.sock.bind(endpoint)
-        self.seq = 0
-
-    def publish(self, events: list[dict]) -> None:
-        self.sock.send_multipart((b"", self.seq.to_bytes(8, "big"), _batch(events)))
-        self.seq += 1
 
 
 async def _register(selector: DynamoSelector) -> None:
@@ -78,7 +67,7 @@ def _wait(fetch, ok, what: str, timeout_s: float = 20.0):
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not DYNAMO_PYTHON.exists(), reason="no .venv-dynamo: `make dynamo` creates it (`make test` does)")
 def test_a_block_one_replica_put_in_the_pool_is_a_hit_for_every_replica_on_it(tmp_path):
-    a, b, c = (_Replica(f"ipc://{tmp_path}/{name}.sock") for name in "abc")
+    a, b, c = (EventPublisher(f"ipc://{tmp_path}/{name}.sock") for name in "abc")
     relay = PoolEventRelay([a.endpoint, b.endpoint], tmp_path / "relay").start()  # a, b share the pool; c does not
     try:
         with DynamoSelectService(tmp_path / "select.log") as service:

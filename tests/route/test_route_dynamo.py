@@ -4,6 +4,7 @@ select, book, prefill done, free) and the prefill it books steers the next reque
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -13,9 +14,11 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import StubReplica, router_over, running  # noqa: E402
+from conftest import EventPublisher, StubReplica, router_over, running, stored_chain  # noqa: E402
 
 from kvtier.route.app import REPLICA_HEADER  # noqa: E402
+from kvtier.route.replicas import Replica  # noqa: E402
+from kvtier.route.selectors import DynamoSelector  # noqa: E402
 from kvtier.server.tokenizer import ByteTokenizer  # noqa: E402
 from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
 from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
@@ -75,3 +78,46 @@ def test_requests_arriving_together_are_each_booked_before_the_next_is_chosen(tm
             thread.join()
     assert [r.status_code for r in replies] == [200] * 4
     assert sorted(len(s.bodies) for s in stubs) == [2, 2]
+
+
+def _choice_of_a_cached_turn_beside_running_requests(tmp_path, env: dict[str, str] | None) -> int:
+    """Replica 1 holds a conversation's 13-block prefix in its host tier (`CPU`, credit 0.75 each) and runs
+    2 requests of 13 blocks, replica 2 runs one: which replica the selector picks for the turn (16 blocks)."""
+    block = 4
+    tmp_path.mkdir()
+    a, b = EventPublisher(f"ipc://{tmp_path}/a.sock"), EventPublisher(f"ipc://{tmp_path}/b.sock")
+    prefix = list(range(100, 100 + 13 * block))
+    running = [list(range(1000 * i, 1000 * i + 13 * block)) for i in (1, 2, 3)]
+    try:
+        with DynamoSelectService(tmp_path / "select.log", env=env) as service:
+            replicas = [Replica(1, "http://a", a.endpoint), Replica(2, "http://b", b.endpoint)]
+            selector = DynamoSelector(service.url, replicas, model_name="m", block_size=block)
+            asyncio.run(selector.register())
+            time.sleep(1.0)  # the subscriptions join (ZMQ drops what is published before)
+            a.publish(stored_chain(prefix, 1, block, "CPU"))
+            deadline = time.monotonic() + 20
+            while service.overlap(prefix, model_name="m").get(1, {}).get("host_pinned_blocks") != 13:
+                assert time.monotonic() < deadline, "replica 1's host blocks never reached the index"
+                time.sleep(0.2)
+            for i, (tokens, where) in enumerate(zip(running, (1, 1, 2))):  # booked where they run, past prefill
+                httpx.post(service.url + "/reservations", json={"model_name": "m", "worker_id": where,
+                                                                "token_ids": tokens, "selection_id": f"r{i}"}
+                           ).raise_for_status()
+                httpx.post(service.url + f"/reservations/r{i}/prefill_complete").raise_for_status()
+            turn = prefix + [7] * 3 * block
+            picked = httpx.post(service.url + "/select", json={"model_name": "m", "token_ids": turn,
+                                                               "selection_id": "turn"}).json()
+            return picked["worker_id"]
+    finally:
+        a.sock.close(0)
+        b.sock.close(0)
+
+
+def test_the_selector_s_prefill_load_scale_keeps_a_cached_turn_on_its_busier_replica(tmp_path):
+    """Dynamo's cost per replica: prefill_load_scale x (blocks to compute after the cached prefix's credit)
+    + the blocks of the requests it runs. Scale 1 (its default): replica 1 costs (16 - 9.75) + 42 against
+    replica 2's 16 + 29 and the turn moves; `DYN_ROUTER_PREFILL_LOAD_SCALE=4` (what `bench route`'s
+    `dynamo:4` starts the service with) makes it 25 + 42 against 64 + 29 and the turn stays."""
+    assert _choice_of_a_cached_turn_beside_running_requests(tmp_path / "s1", None) == 2
+    scaled = {"DYN_ROUTER_PREFILL_LOAD_SCALE": "4"}
+    assert _choice_of_a_cached_turn_beside_running_requests(tmp_path / "s4", scaled) == 1

@@ -39,3 +39,22 @@ def test_dynamo_credits_each_cached_block_by_its_tier_against_the_prefill_booked
     for key in (1, 2, 3, 4):
         cluster.nodes[0][1].pop(key)                              # only the pool now: a tie, the idler node takes it
     assert router.route(later, cluster, [9.0, 0.0]) == 1
+
+
+def test_dynamo_s_prefill_load_scale_weighs_a_cached_prefix_against_the_blocks_a_node_runs():
+    """Dynamo's `prefill_load_scale` (`dynamo:S`): a node running a 6-block request, with 4 of the next
+    request's 5 blocks in its DRAM (credit 3), costs (5 - 3) + 6 = 8 against an idle node's 5 at scale 1,
+    and 4 * 2 + 6 = 14 against 4 * 5 = 20 at scale 4."""
+    config = ClusterConfig(num_nodes=2, gpus_per_node=1, hbm_tokens=64, dram_tokens=64, block_tokens=BT,
+                           flops_per_token=1.0, gpu_flops=1e9, mfu=1.0, decode_s_per_token=1.0)
+    picks = {}
+    for name in ("dynamo", "dynamo:4"):
+        cluster, router = Cluster(config), make_router(name)
+        cluster.access(0, req([1, 2, 3, 4]))
+        for key in (1, 2, 3, 4):
+            cluster.nodes[0][0].pop(key)                      # evicted from HBM: in node 0's DRAM only
+        running = Request(0.0, 6 * BT, 100, [11, 12, 13, 14, 15, 16])  # decodes for 100 s
+        assert router.route(running, cluster, [0.0, 0.0]) == 0  # a tie on cost: the first node
+        picks[name] = router.route(Request(1_000.0, 5 * BT, 1, [1, 2, 3, 4, 5]), cluster, [0.0, 0.0])
+    assert picks == {"dynamo": 1, "dynamo:4": 0}
+    assert make_router("dynamo:4").prefill_load_scale == 4.0 and make_router("dynamo:4").name == "dynamo:4"

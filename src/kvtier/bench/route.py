@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kvtier.bench.harness import SYSTEM_PROMPT, SystemResult, TurnClock, Workload, _pct, conversations
 
-POLICIES = ("round-robin", "sglang", "dynamo")
+POLICIES = ("round-robin", "sglang", "dynamo")  # and dynamo:S, Dynamo with prefill_load_scale S
 SETUPS = ("local", "pool")
 SHM_BYTES = "1GiB"        # per replica: the workload never fills it (the device budget is the pressure)
 POOL_MAXMEMORY = "1gb"
@@ -44,6 +44,29 @@ REFERENCE = "reference"   # one vLLM replica alone
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M in fp32
 # `kvtier simulate`'s router model for each policy (`sim/router.py`)
 SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "dynamo"}
+
+
+def dynamo_scale(policy: str) -> float | None:
+    """`dynamo` -> 1.0 (the selection service's default), `dynamo:S` -> S, Dynamo's `prefill_load_scale` (its
+    `DYN_ROUTER_PREFILL_LOAD_SCALE`, formerly `--kv-overlap-score-weight`: how much a replica's prefill
+    to do, after its cached prefix's credit, weighs against the blocks of the requests it runs); None for
+    the other policies."""
+    base, _, scale = policy.partition(":")
+    if base != "dynamo":
+        return None
+    try:
+        value = float(scale) if scale else 1.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from kvtier.errors import UserError
+
+        raise UserError(f"{policy!r}: dynamo:S takes Dynamo's prefill_load_scale S, a number > 0")
+    return value
+
+
+def _sim_router(policy: str) -> str:
+    return policy if dynamo_scale(policy) is not None else SIM_ROUTERS[policy]
 
 
 @dataclass(slots=True)
@@ -220,16 +243,19 @@ def front_door(policy: str, replicas: Replicas, root: Path, model_dir: Path, *, 
             argv = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *replicas.urls,
                     "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
         else:
-            argv = [sys.executable, "-m", "kvtier", "route", "--policy", policy, "--port", str(port)]
+            scale = dynamo_scale(policy)
+            argv = [sys.executable, "-m", "kvtier", "route", "--policy", policy if scale is None else "dynamo",
+                    "--port", str(port)]
             for url in replicas.urls:
                 argv += ["--replica", url]
-            if policy == "dynamo":
+            if scale is not None:
                 try:
                     from kvtier.testing.dynamo_select import DynamoSelectService
                 except ImportError:
                     raise RuntimeError("the dynamo policy runs from a source checkout (kvtier.testing launches "
                                        "Dynamo's selection service from .venv-dynamo)") from None
-                selector = stack.enter_context(DynamoSelectService(root / "select.log"))
+                selector = stack.enter_context(DynamoSelectService(
+                    root / "select.log", env={"DYN_ROUTER_PREFILL_LOAD_SCALE": repr(scale)}))
                 argv += ["--selector", selector.url, "--tokenizer", str(model_dir), "--block-size", str(BLOCK_TOKENS)]
                 for events, replay in zip(replicas.events, replicas.replays):
                     argv += ["--kv-events", events, "--kv-events-replay", replay]
@@ -327,8 +353,8 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, p
                            dram_tokens=large, pool_tokens=large if setup == "pool" else 0,
                            block_tokens=BLOCK_TOKENS, flops_per_token=1.0, gpu_flops=prefill_tokens_per_s, mfu=1.0,
                            kv_bytes_per_token=KV_BYTES_PER_TOKEN, decode_s_per_token=decode_s_per_token)
-    result = replay(read_trace(trace_path, BLOCK_TOKENS), config, SIM_ROUTERS[policy])
-    return {"router": SIM_ROUTERS[policy], "prefix_hit_rate": result.hit_rate,
+    result = replay(read_trace(trace_path, BLOCK_TOKENS), config, _sim_router(policy))
+    return {"router": _sim_router(policy), "prefix_hit_rate": result.hit_rate,
             "requests_per_replica": result.requests_by_node}
 
 
@@ -382,7 +408,7 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                 row["simulated"] = simulate(own_trace, policy, setup, device_blocks=device_blocks,
                                             prefill_tokens_per_s=speed, decode_s_per_token=row["itl_mean_s"])
                 row["trace"] = str(own_trace)
-                if policy == "dynamo":
+                if dynamo_scale(policy) is not None:
                     row["selector_matched_tokens"] = _selector_matched(url)
                 rows.append(row)
                 if kill:
@@ -455,7 +481,8 @@ def add_command(bench) -> None:
               context_chars: int = typer.Option(900, min=1), turn_chars: int = typer.Option(160, min=1),
               max_tokens: int = typer.Option(16, min=1),
               device_blocks: int = typer.Option(20, min=4, help="each replica's device KV blocks (of 32 tokens)"),
-              policies: str = typer.Option(",".join(POLICIES), help=", ".join(POLICIES)),
+              policies: str = typer.Option(",".join(POLICIES), help=", ".join(POLICIES) + ", dynamo:S (Dynamo's "
+                                           "prefill_load_scale S, DYN_ROUTER_PREFILL_LOAD_SCALE of its service)"),
               setups: str = typer.Option(",".join(SETUPS), help="local (shm: per replica), pool (+ one Redis)"),
               kill: bool = typer.Option(False, "--kill", help="then again, replica 2 killed mid-run"),
               json_path: str = typer.Option(None, "--json", help="write the rows (and the trace's path) here"),
@@ -466,8 +493,9 @@ def add_command(bench) -> None:
 
         names = tuple(p.strip() for p in policies.split(","))
         kinds = tuple(s.strip() for s in setups.split(","))
-        if set(names) - set(POLICIES) or set(kinds) - set(SETUPS):
-            raise UserError(f"policies among {', '.join(POLICIES)}; setups among {', '.join(SETUPS)}")
+        if {n for n in names if dynamo_scale(n) is None} - set(POLICIES) or set(kinds) - set(SETUPS):
+            raise UserError(f"policies among {', '.join(POLICIES)} (or dynamo:S, Dynamo with prefill_load_scale "
+                            f"S); setups among {', '.join(SETUPS)}")
         result = run(Workload(users, turns, context_chars, turn_chars, max_tokens), policies=names, setups=kinds,
                      device_blocks=device_blocks, kill=kill, log_dir=log_dir)
         if json_path:

@@ -78,8 +78,10 @@ class CacheAware:
 
 
 class Dynamo:
-    """NVIDIA Dynamo's KV router (`DefaultWorkerScorer`, 1.6.1 defaults): the node with the lowest cost
-    `max(0, booked prefill blocks + request blocks - credit) + running blocks`. Credit per cached prefix block
+    """NVIDIA Dynamo's KV router (`DefaultWorkerScorer`, 1.6.1): the node with the lowest cost
+    `prefill_load_scale * max(0, booked prefill blocks + request blocks - credit) + running blocks`
+    (`prefill_load_scale`: 1.0 by default, the service's `DYN_ROUTER_PREFILL_LOAD_SCALE`, the former
+    `--kv-overlap-score-weight`; `dynamo:4` names the model with 4.0). Credit per cached prefix block
     by the tier it is in: HBM 1.0, DRAM 0.75 (its host tier), pool and SSD 0.25 (its disk tier, where a shared
     pool's blocks land). Booked prefill: the node's queue at the request's arrival, in blocks at its prefill
     speed. Running blocks: the distinct blocks of the requests it sent to the node that are still running
@@ -90,7 +92,10 @@ class Dynamo:
     name = "dynamo"
     WEIGHTS = (1.0, 0.75, 0.25, 0.25)  # hbm, dram, pool, ssd (cluster.TIERS)
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_load_scale: float = 1.0) -> None:
+        self.prefill_load_scale = prefill_load_scale
+        if prefill_load_scale != 1.0:
+            self.name = f"{Dynamo.name}:{prefill_load_scale:g}"
         self._running: list[list[tuple[float, list[int]]]] = []  # per node: (end, hash ids) of what it sent
 
     def route(self, request: Request, cluster: Cluster, free_at_s: list[float]) -> int:
@@ -106,7 +111,8 @@ class Dynamo:
             credit = sum(self.WEIGHTS[t] for t in cluster.prefix_tiers(node, request.hash_ids))
             booked = max(0.0, free_at_s[node] - now_s) / block_s
             credits.append(credit)
-            costs.append((max(0.0, booked + len(request.hash_ids) - credit) + running, free_at_s[node], node))
+            prefill = max(0.0, booked + len(request.hash_ids) - credit)
+            costs.append((self.prefill_load_scale * prefill + running, free_at_s[node], node))
         node = min(costs)[2]
         if config.decode_s_per_token > 0:
             prefill_s = max(0.0, len(request.hash_ids) - credits[node]) * block_s
@@ -122,6 +128,13 @@ def make_router(name: str) -> RoundRobin | LeastLoaded | BestPrefixMatch | Cache
     aliases = {"rr": "round-robin", "best-prefix-match": "best-prefix", "prefix": "best-prefix", "ll": "least-loaded",
                "sglang": "cache-aware"}
     name = aliases.get(name, name)
+    base, _, scale = name.partition(":")
+    if base == Dynamo.name and scale:  # dynamo:S, Dynamo with prefill_load_scale S
+        try:
+            return Dynamo(float(scale))
+        except ValueError:
+            raise UserError(f"dynamo:S takes a number (Dynamo's prefill_load_scale), not {scale!r}") from None
     if name not in ROUTERS:
-        raise UserError(f"unknown router {name!r} (use {', '.join(ROUTERS)})")
+        raise UserError(f"unknown router {name!r} (use {', '.join(ROUTERS)}, or dynamo:S for Dynamo's "
+                        "prefill_load_scale S)")
     return ROUTERS[name]()

@@ -52,9 +52,11 @@ def _can_isolate() -> bool:
     return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("nsenter") is not None
 
 
-def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolate: bool) -> subprocess.Popen:
+def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolate: bool,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """`python -m <module> --port <port> --threads 1` from `.venv-dynamo` (the indexer, the selection
-    service), in a network namespace of its own with only its loopback where `isolate`."""
+    service), in a network namespace of its own with only its loopback where `isolate`; `env` adds to the
+    environment (Dynamo's router reads its settings from `DYN_ROUTER_*` variables)."""
     if not python.exists():
         raise FileNotFoundError(f"{python} not found: `make dynamo` creates it")
     argv = [str(python), "-m", module, "--port", str(port), "--threads", "1"]
@@ -62,7 +64,7 @@ def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolat
         argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info")})
+                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"), **(env or {})})
 
 
 class DynamoIndexer:

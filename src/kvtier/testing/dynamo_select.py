@@ -108,8 +108,10 @@ def _wait_own_namespace(proc: subprocess.Popen, timeout_s: float = 10.0) -> None
 class DynamoSelectService:
     """`python -m dynamo.select_service` on a free port; `url` reaches it from this process."""
 
-    def __init__(self, log_path: Path, *, python: Path = DYNAMO_PYTHON, isolate: bool | None = None) -> None:
+    def __init__(self, log_path: Path, *, python: Path = DYNAMO_PYTHON, isolate: bool | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
+        self.env = env
         self.log_path = log_path
         self.python = python
         self.isolate = _can_isolate() if isolate is None else isolate
@@ -118,7 +120,8 @@ class DynamoSelectService:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> DynamoSelectService:
-        self.proc = start_dynamo(self.python, "dynamo.select_service", self.port, self.log_path, isolate=self.isolate)
+        self.proc = start_dynamo(self.python, "dynamo.select_service", self.port, self.log_path, isolate=self.isolate,
+                                 env=self.env)
         try:
             if self.isolate:
                 _wait_own_namespace(self.proc)
