@@ -569,20 +569,36 @@ def test_an_eviction_write_through_placed_below_returns_its_key_not_its_bytes(tm
     m.close()
 
 
-def test_pin_host_that_fails_after_taking_a_slot_leaves_it_unpinned(monkeypatch):
-    """A block read from below is stored into a DRAM slot and pinned, then marked placed below: if that
-    raises, the caller gets no slot, so the pin must end here (else the slot stays held for good)."""
-    dram = HostTier(4 * SIZE, SIZE)
-    m = TierManager([dram], async_writes=False)
-
-    def broken(keys):
-        raise RuntimeError("placed_below failed")
-
-    monkeypatch.setattr(dram, "placed_below", broken)
-    with pytest.raises(RuntimeError, match="placed_below failed"):
-        m.pin_host(K[0], _block(0, K[0]), from_below=True)
+def test_lease_in_place_pins_where_held_or_stores_and_never_evicts_a_leased_block(tmp_path):
+    """Leases of the top tier's memory by slot: a held block is leased where it is, a missing one stored
+    (written through below) or, read from below, stored without a write back down and demoted as nothing;
+    a leased slot is never evicted nor reused by later puts; release ends each lease once."""
+    m = _stack(tmp_path, dram_blocks=3)
+    dram, ssd = m.tiers
+    assert m.num_in_place_slots == 3
+    m.put_many([(K[0], _block(0))])
+    m.flush()
+    held = dram._key_to_slot[K[0]]
+    assert m.lease_in_place([(K[0], None), (K[1], None)]) == [held, None]  # K[1]: not held, no data
+    slot1, slot2 = m.lease_in_place([(K[1], _block(1)), (K[2], _block(2))], from_below=True)
+    m.flush()
+    assert ssd.contains_many(K[1:3]) == [False, False]  # from below: not written back down
+    assert dram.num_leased() == 3
+    m.put_many([(K[i], _block(i)) for i in (3, 4, 5)])  # every slot leased: dropped, nothing evicted
+    view = m.in_place_view(torch.float32, (1, 2, 1, 4, 4))
+    assert [float(view[s].flatten()[0]) for s in (held, slot1, slot2)] == [0.0, 1.0, 2.0]
+    assert dram.contains_many(K[:3]) == [True, True, True] and dram.num_dropped_puts == 3
+    m.release_in_place([K[1], K[2]])
+    m.put_many([(K[3], _block(3))])  # evicts K[1] (placed below: its key alone, nothing demoted)
+    m.flush()
+    assert dram.contains_many(K[:4]) == [True, False, True, True] and not ssd.contains_many([K[1]])[0]
+    m.release_in_place([K[0]])
     assert dram.num_leased() == 0
-    assert m.pin_host(K[1], _block(1, K[1])) is not None and dram.num_leased() == 1  # no leak, slots still lent
-    m.unpin_host([K[1]])
-    assert dram.num_leased() == 0
+    m.close()
+
+
+def test_lease_in_place_only_on_a_top_tier_in_this_process(tmp_path):
+    m = TierManager([DiskTier(tmp_path, 10 * SIZE)], async_writes=False)
+    assert m.num_in_place_slots == 0
+    assert m.lease_in_place([(K[0], _block(0))]) == [None] and not m.contains_many([K[0]])[0]
     m.close()

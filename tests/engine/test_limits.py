@@ -140,7 +140,8 @@ def test_blocks_and_fetch_area_are_the_engines(tiny_model, settings):
     try:
         assert engine.num_blocks == device_blocks(layout, config)
         assert (engine.fetch.nbytes if engine.fetch is not None else 0) == \
-            (fetch_area_bytes(layout, config) if "kv_offload" in settings else 0)
+            (fetch_area_bytes(layout, config.offload_config(), config.device_kv_budget_bytes)
+             if "kv_offload" in settings else 0)
     finally:
         engine.close()
         manager.close()

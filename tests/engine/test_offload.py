@@ -107,7 +107,7 @@ def test_exact_offload_equals_everything_on_the_device(loaded, long_prompts, loa
         n_tokens = len(long_prompts[i]) + NEW
         assert stats.host_kv_bytes == (-(-n_tokens // BLOCK) - 3) * engine.layout.block_bytes or \
             stats.host_kv_bytes == (n_tokens // BLOCK - 3) * engine.layout.block_bytes
-    host = manager.host_tier()
+    host = manager.tiers[0]
     assert host.num_leased() == 0 and engine.host_blocks_reserved == 0
     assert engine.stats().num_device_blocks_used == 0
     # the fetch area's own copies (prefill chunks; CUDA: decodes too, timed by its events) and, on the CPU, the
@@ -161,8 +161,8 @@ def test_offloaded_prefix_is_reused_in_place(tiny_model, long_prompts, refs, mod
     engine.close()
     second = LLMEngine(tiny_model, engine.config, manager)
     leased = []
-    pin = manager.pin_host
-    manager.pin_host = lambda key, data, **kw: leased.append(data) or pin(key, data, **kw)  # None: in place
+    lease = manager.lease_in_place
+    manager.lease_in_place = lambda items, **kw: leased.extend(d for _, d in items) or lease(items, **kw)  # None: in place
     second.add_request("b", long_prompts[2], SamplingParams(max_tokens=NEW))
     outputs = drain(second)["b"]
     assert [t for o in outputs for t in o.new_token_ids] == refs[2]
@@ -172,7 +172,7 @@ def test_offloaded_prefix_is_reused_in_place(tiny_model, long_prompts, refs, mod
     assert second.num_tokens_computed == len(long_prompts[2]) - cached + NEW - 1
     num_middle = cached // BLOCK - 1  # after the sink block
     assert leased[:num_middle] == [None] * num_middle  # the reused blocks: pinned where they are
-    assert manager.host_tier().num_leased() == 0 and second.host_blocks_reserved == 0
+    assert manager.tiers[0].num_leased() == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
 
@@ -228,7 +228,7 @@ def test_offloaded_prefix_from_the_ssd_tier_is_reused(tiny_model, long_prompts, 
     from kvtier.blocks import block_keys
     prefix_keys = set(block_keys(second.scheduler.space, long_prompts[2][:cached]))
     assert not prefix_keys & written_down  # read from the SSD: nothing to write back there
-    assert manager.host_tier().num_leased() == 0 and len(manager.host_tier()._pins) == 0
+    assert manager.tiers[0].num_leased() == 0 and len(manager.tiers[0]._pins) == 0
     second.close()
     manager.close()
 
@@ -251,8 +251,8 @@ def test_a_request_aborted_while_its_host_blocks_load_gives_them_back(tiny_model
     assert second.has_unfinished_requests()  # until the load is back: it still holds blocks
     while second.has_unfinished_requests():
         second.step()
-    host = manager.host_tier()
-    assert host.num_leased() == 0 and len(host._pins) == 0
+    host = manager.tiers[0]
+    assert host.num_leased() == 0 and len(host._pins) == 0 and second.host_pool.num_pinned == 0
     assert second.stats().num_device_blocks_used == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
@@ -264,7 +264,7 @@ def test_offloaded_prefix_with_a_bad_sink_block_is_computed(tiny_model, long_pro
     engine, manager = make(tiny_model, synchronous_transfers=True)
     assert engine.generate([long_prompts[2]], SamplingParams(max_tokens=NEW)) == [refs[2]]
     engine.close()
-    host = manager.host_tier()
+    host = manager.tiers[0]
     from kvtier.blocks import block_keys
     sink_key = block_keys(engine.scheduler.space, long_prompts[2][:BLOCK])[0]
     host._arena_np[host._key_to_slot[sink_key] * host.slot_bytes + 20] ^= 0xFF  # its header
@@ -297,7 +297,7 @@ def test_offloaded_prefix_with_part_of_its_sinks_on_the_device(tiny_model, long_
     cached = (len(long_prompts[2]) - 1) // BLOCK * BLOCK
     assert outputs[-1].cached_tokens_by_tier == {"device": BLOCK, "dram": cached - BLOCK}
     assert matches == [len(long_prompts[2]) // BLOCK - 1]
-    host = manager.host_tier()
+    host = manager.tiers[0]
     assert host.num_leased() == 0 and len(host._pins) == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
@@ -320,7 +320,7 @@ def test_host_blocks_that_cannot_be_taken_are_given_back_and_computed(tiny_model
     assert [t for o in outputs for t in o.new_token_ids] == refs[2]
     assert outputs[-1].num_cached_tokens == BLOCK  # the sink block only
     assert second.num_tokens_computed == len(long_prompts[2]) - BLOCK + NEW - 1
-    host = manager.host_tier()
+    host = manager.tiers[0]
     assert host.num_leased() == 0 and len(host._pins) == 0 and second.host_blocks_reserved == 0
     second.close()
     manager.close()
@@ -331,9 +331,11 @@ def test_abort_frees_host_blocks(tiny_model, long_prompts):
     engine.add_request("a", long_prompts[2], SamplingParams(max_tokens=NEW))
     while not engine._seqs["a"].host.slots:
         engine.step()
-    assert manager.host_tier().num_leased() > 0 and engine.host_blocks_reserved > 0
+    assert manager.tiers[0].num_leased() > 0 and engine.host_blocks_reserved > 0
+    assert engine.host_pool.num_pinned == len(engine._seqs["a"].host.slots) > 0  # the pool counts its pins
     assert engine.abort_request("a")
-    assert manager.host_tier().num_leased() == 0 and engine.host_blocks_reserved == 0
+    assert manager.tiers[0].num_leased() == 0 and engine.host_blocks_reserved == 0
+    assert engine.host_pool.num_pinned == 0
     engine.close()
     manager.close()
 
@@ -348,7 +350,7 @@ def test_preempted_offloaded_request_recomputes_exactly(tiny_model, long_prompts
     assert seq.host.slots
     engine.scheduler._preempt(seq, SchedulerOutput())  # as when a decode finds no block
     engine._unpin()
-    assert manager.host_tier().num_leased() == 0 and not seq.host.slots
+    assert manager.tiers[0].num_leased() == 0 and not seq.host.slots and engine.host_pool.num_pinned == 0
     got += [t for outs in drain(engine).values() for o in outs for t in o.new_token_ids]
     assert got == refs[1]
     assert engine.host_blocks_reserved == 0
@@ -405,7 +407,7 @@ def test_per_request_sparse_on_an_exact_engine(tiny_model, long_prompts):
 def test_a_dram_block_with_a_bad_header_is_replaced_not_used(tiny_model, long_prompts, refs):
     engine, manager = make(tiny_model, synchronous_transfers=True)
     assert engine.generate([long_prompts[1]], SamplingParams(max_tokens=NEW)) == [refs[1]]
-    host = manager.host_tier()
+    host = manager.tiers[0]
     for slot in list(host._key_to_slot.values()):  # every block it wrote through: header byte flipped
         host._arena_np[slot * host.slot_bytes + 20] ^= 0xFF
     assert engine.generate([long_prompts[1]], SamplingParams(max_tokens=NEW)) == [refs[1]]
@@ -634,7 +636,7 @@ def test_offload_attention_equals_attention_over_its_blocks(device, mode, half_b
 def test_host_slots_are_pinned_on_cuda(cuda_tiny_model):
     """The copies are non_blocking from the DRAM tier's own slots: pinned, or the driver stages them."""
     engine, manager = make(cuda_tiny_model)
-    assert manager.host_tier()._arena.is_pinned() and engine.fetch.host.is_pinned()
+    assert manager.tiers[0]._arena.is_pinned() and engine.fetch.host.is_pinned()
     with pytest.raises(ValueError, match="pinned"):
         engine.fetch.host = torch.zeros(2, *engine.fetch.host.shape[1:], dtype=engine.fetch.host.dtype)
     engine.close()

@@ -23,7 +23,7 @@ BLOCK = 8
 
 
 def _host_slots(num_slots, layers, heads, block, dim, dtype):
-    """[S, L, 2, H, T, D] rows after a 7-element header, as the DRAM tier's `slot_payloads` view."""
+    """[S, L, 2, H, T, D] rows after a 7-element header, as the DRAM tier's `payload_view`."""
     rows = torch.randn(num_slots, 7 + layers * 2 * heads * block * dim).to(dtype)
     return rows[:, 7:].unflatten(1, (layers, 2, heads, block, dim))
 
@@ -91,7 +91,7 @@ def _generate(model, prompts, mode, page_tokens=BLOCK):
     tokens = [[t for o in outputs[str(i)] for t in o.new_token_ids] for i in range(len(prompts))]
     fetched = [outputs[str(i)][-1].offload.decode_fetched_bytes for i in range(len(prompts))]
     read = engine.offload_attention.in_place_bytes
-    assert manager.host_tier().num_leased() == 0
+    assert manager.tiers[0].num_leased() == 0
     engine.close()
     manager.close()
     return tokens, fetched, read, in_place

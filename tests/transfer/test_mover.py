@@ -75,51 +75,6 @@ def test_blocks_stay_valid_until_the_restore_ends_for_a_sink_that_writes_layer_b
     assert torch.equal(layers[1], torch.stack([b[1] for b in BLOCKS]))
 
 
-def test_pin_in_host_holds_dram_blocks_in_place_and_stores_verified_ones_from_below(manager):
-    """Offloaded sequences' host blocks: DRAM blocks pinned where they are; SSD blocks (payload proven)
-    stored into slots, marked placed below (their eviction copies nothing out), pinned; a bad one ends it."""
-    mover = BlockMover(manager, CODEC, layout=LAYOUT, synchronous=True)
-    dram = manager.tiers[0]
-    in_place = {key: dram._key_to_slot[key] for key in KEYS[:2]}
-    for key in KEYS[2:]:
-        dram.delete(key)
-    ssd = manager.tiers[1]
-    with open(ssd._path(KEYS[3]), "r+b") as f:  # block 3's payload, flipped on the SSD
-        f.seek(-1, 2)
-        byte = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    pinned = mover.pin_in_host(manager.match(KEYS, pin=True))
-    assert pinned.tiers == ["dram", "dram", "ssd"] and pinned.keys == KEYS[:3]
-    assert pinned.slots[:2] == [in_place[KEYS[0]], in_place[KEYS[1]]]
-    assert dram.num_leased() == 3 and len(dram._pins) == 0 and len(ssd._pins) == 0
-    payloads = manager.host_payloads(torch.float32, LAYOUT.block_shape)
-    assert all(torch.equal(payloads[slot], BLOCKS[i]) for i, slot in enumerate(pinned.slots))
-    assert dram._below[pinned.slots[2]]
-    assert ssd.stats.corrupt == 1 and not ssd.contains_many([KEYS[3]])[0]  # deleted, never served
-    manager.unpin_host(pinned.keys)
-    assert dram.num_leased() == 0
-
-
-def test_pin_in_host_stops_where_dram_has_no_slot_left(tmp_path):
-    """Every DRAM slot but one held by other sequences: one block is held, the stream ends there, and the
-    lookup's pins and the SSD's read buffers are all given back."""
-    dram, ssd = HostTier(4 * SLOT, SLOT), DiskTier(tmp_path, 64 * SLOT)
-    manager = TierManager([dram, ssd], async_writes=False)
-    ssd.put_many([(key, CODEC.encode(block, key)) for key, block in zip(KEYS, BLOCKS)])
-    others = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(12)))  # 3 blocks of another prompt
-    for key in others:
-        assert manager.pin_host(key, CODEC.encode(BLOCKS[0], key)) is not None
-    mover = BlockMover(manager, CODEC, layout=LAYOUT, synchronous=True)
-    pinned = mover.pin_in_host(manager.match(KEYS, pin=True))
-    assert pinned.keys == KEYS[:1] and pinned.tiers == ["ssd"]
-    assert len(ssd._pins) == 0 and ssd.num_leased() == 0 and len(dram._pins) == 0
-    assert dram.num_leased() == 4  # the three others and the one held
-    manager.unpin_host(pinned.keys + others)
-    assert dram.num_leased() == 0
-    manager.close()
-
-
 def test_saves_go_through_the_one_writer_and_a_full_one_drops(tmp_path):
     """One queue for saves, write-through and promotions (the manager's writer): a save's put writes
     through on that thread, and a full queue drops the save, counted once for the process."""

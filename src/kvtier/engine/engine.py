@@ -33,12 +33,11 @@ from kvtier.offload.attention import HostBlocks, OffloadAttention
 from kvtier.offload.config import OffloadMode, parse_offload
 from kvtier.offload.fetch import FetchArea
 from kvtier.offload.pages import page_summary
-from kvtier.offload.pool import HostBlockPool, HostRoomError  # noqa: F401 — HostRoomError: the server's
+from kvtier.offload.pool import HostBlockPool, HostRoomError, PinnedInHost  # noqa: F401 — HostRoomError: the server's
 from kvtier.offload.stats import OffloadStats
 from kvtier.engine.scheduler import Offload, Scheduler, SchedulerOutput
 from kvtier.engine.sequence import SamplingParams, Sequence, TokenLogprob
 from kvtier.engine.tier_io import LoadDone, TierIO
-from kvtier.transfer import PinnedInHost
 from kvtier.transfer.copies import copy_threads
 
 log = logging.getLogger(__name__)
@@ -109,11 +108,13 @@ class LLMEngine:
         self.layout = loaded.kv_layout(config.block_tokens)
         model_config = loaded.model.config.get_text_config(decoder=True)
         check_engine(self.layout, config, model_config,  # every refusal, as a one-line ConfigError, before building
-                     has_host_tier=manager is not None and manager.host_tier() is not None)
+                     has_host_tier=manager is not None and manager.num_in_place_slots > 0)
         device = next(loaded.model.parameters()).device
         self.offload = config.offload_config()  # the settings, parsed once
         self.offload_mode = self.offload.mode
-        self.fetch = self._fetch_area(manager, device) if self.offload_mode is not None else None
+        # the host's peer of the block manager: offloaded requests' host slots, room and pins
+        self.host_pool = HostBlockPool(manager, self.layout.block_bytes) if self.offload_mode is not None else None
+        self.fetch = self._fetch_area(device) if self.offload_mode is not None else None
         arena_budget = config.device_kv_budget_bytes - (self.fetch.nbytes if self.fetch is not None else 0)
         self.arena = make_arena(self.layout, arena_budget, config.kv_codec, device=device,
                                 max_open_blocks=config.max_num_seqs)
@@ -135,7 +136,7 @@ class LLMEngine:
             prefix_caching=config.prefix_caching, match_tiers=self._match_tiers if manager is not None else None,
             offload=self.offload)
         write_block = self.arena.write_block if self.arena.block_writes_off_thread else None
-        self.transfer = (TierIO(manager, self.codec, write_block=write_block,
+        self.transfer = (TierIO(manager, self.codec, write_block=write_block, host_pool=self.host_pool,
                                 synchronous=config.synchronous_transfers) if manager is not None else None)
         self._seqs: dict[str, Sequence] = {}
         self.step_tier_io_seconds = 0.0
@@ -143,11 +144,10 @@ class LLMEngine:
         self.offload_fetched_bytes = 0
         self.offload_fetch_seconds = 0.0
 
-    def _fetch_area(self, manager, device) -> FetchArea:
+    def _fetch_area(self, device) -> FetchArea:
         """The device memory host blocks are attended from, taken out of the budget."""
-        layout, config = self.layout, self.config
-        self.host_pool = HostBlockPool(manager, layout.block_bytes)  # check_engine: there is a DRAM tier
-        half = fetch_half_blocks(layout, config)
+        layout = self.layout
+        half = fetch_half_blocks(layout, self.offload, self.config.device_kv_budget_bytes)
         fetch = FetchArea(half, layout.num_kv_heads, layout.block_tokens, layout.head_dim,
                           getattr(torch, layout.dtype), device, self.offload.window_tokens)
         fetch.host = self.host_pool.payloads(getattr(torch, layout.dtype), layout.block_shape)
@@ -214,7 +214,7 @@ class LLMEngine:
     @property
     def host_blocks_reserved(self) -> int:
         """Host slots set aside for the offloaded requests admitted (`HostBlockPool`)."""
-        return self.host_pool.num_reserved if self.fetch is not None else 0
+        return self.host_pool.num_reserved if self.host_pool is not None else 0
 
     def check_request(self, num_prompt_tokens: int, max_tokens: int, kv_offload: str | None = None) -> None:
         """Raise ValueError (a message for the client) if such a request cannot run here:
@@ -339,8 +339,9 @@ class LLMEngine:
         """Pin a block of an offloaded sequence in host memory (where DRAM holds it already, else
         copied from the device), with its key summary for sparse attention."""
         host = offload.seq.host
-        slot = self.host_pool.pin(offload.key, lambda: self.codec.encode(self.arena.block_tensor(offload.block_id),
-                                                                         offload.key))
+        # encoded as a save encodes it, only where DRAM does not hold it yet (the block's save may have landed)
+        slot = self.host_pool.pin(offload.key, lambda: self.transfer.mover.encode(
+            offload.key, self.arena.block_tensor(offload.block_id)))
         summaries = [] if host.summaries is None else [page_summary(self.arena.k_cache[:, offload.block_id],
                                                                     self.offload.page_tokens)]
         self._add_host_blocks(host, [slot], [offload.key], summaries)
@@ -388,15 +389,10 @@ class LLMEngine:
         num_loaded, host, host_tiers = done.num_written, done.host, []
         seq = self.scheduler.loading.get(done.request_id)
         if seq is None:  # the request ended meanwhile: nobody attends over its host blocks
-            if self.fetch is not None:
+            if self.host_pool is not None:
                 self.host_pool.load_returned(done.request_id)
         else:
-            try:
-                for block_id, block in zip(done.block_ids[num_loaded:], done.blocks):
-                    self.arena.write_block(block_id, block)
-                    num_loaded += 1
-            except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
-                log.exception("copying a loaded prefix into the device failed")
+            num_loaded = self.transfer.write_decoded(done, self.arena.write_block)
             if host and num_loaded == len(done.block_ids):  # the host blocks follow a whole sink
                 try:
                     self._take_host_blocks(seq, host)
@@ -476,7 +472,7 @@ class LLMEngine:
         if self.transfer is not None:
             self.transfer.close()
             for done in self.transfer.poll():  # loads nobody will run: their leases and host slots go back
-                if self.fetch is not None:
+                if self.host_pool is not None:
                     self.host_pool.unpin(done.host.keys)
                 done.release()
         if self.fetch is not None:

@@ -14,23 +14,22 @@ from dataclasses import replace
 from kvtier.blocks import KVLayout
 from kvtier.config import EngineConfig
 from kvtier.errors import ConfigError
+from kvtier.offload.config import OffloadConfig
 from kvtier.units import fmt_bytes
 
 _KIVI = ("int4", "int2")
 _UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "B"))
 
 
-def fetch_half_blocks(layout: KVLayout, config: EngineConfig, budget_bytes: int | None = None) -> int:
-    """Layer-blocks per half of the offload fetch area: `offload_fetch_blocks`, or 1/8 of the budget."""
-    budget = config.device_kv_budget_bytes if budget_bytes is None else budget_bytes
+def fetch_half_blocks(layout: KVLayout, offload: OffloadConfig, budget_bytes: int) -> int:
+    """Layer-blocks per half of the offload fetch area: `offload.fetch_blocks`, or 1/8 of the budget."""
     layer_block_bytes = layout.block_bytes // layout.num_layers
-    return config.offload_fetch_blocks or max(1, budget // 8 // (2 * layer_block_bytes))
+    return offload.fetch_blocks or max(1, budget_bytes // 8 // (2 * layer_block_bytes))
 
 
-def fetch_area_bytes(layout: KVLayout, config: EngineConfig, budget_bytes: int | None = None) -> int:
+def fetch_area_bytes(layout: KVLayout, offload: OffloadConfig, budget_bytes: int) -> int:
     """`FetchArea`'s buffer: two halves of [2 (K, V), H, half blocks + the device window, D]."""
-    window_blocks = config.offload_sink_blocks + config.offload_recent_blocks
-    tokens = (fetch_half_blocks(layout, config, budget_bytes) + window_blocks) * layout.block_tokens
+    tokens = (fetch_half_blocks(layout, offload, budget_bytes) + offload.window_blocks) * layout.block_tokens
     return 2 * 2 * layout.num_kv_heads * tokens * layout.head_dim * _element_bytes(layout)
 
 
@@ -39,17 +38,16 @@ def device_blocks(layout: KVLayout, config: EngineConfig, budget_bytes: int | No
     from kvtier.engine.arena import arena_block_bytes
 
     budget = config.device_kv_budget_bytes if budget_bytes is None else budget_bytes
-    if config.offload_mode() is not None:
-        budget -= fetch_area_bytes(layout, config, budget)
+    offload = config.offload_config()
+    if offload.mode is not None:
+        budget -= fetch_area_bytes(layout, offload, budget)
     budget -= _open_blocks_bytes(layout, config, config.max_num_seqs)
     return max(0, budget // arena_block_bytes(layout, config.kv_codec)) if budget > 0 else 0
 
 
-def blocks_needed(config: EngineConfig) -> int:
+def blocks_needed(offload: OffloadConfig) -> int:
     """One block; with offload, an offloaded request's device window (sink + recent blocks) and one more."""
-    if config.offload_mode() is None:
-        return 1
-    return config.offload_sink_blocks + config.offload_recent_blocks + 1
+    return 1 if offload.mode is None else offload.window_blocks + 1
 
 
 def check_engine(layout: KVLayout, config: EngineConfig, model_config=None, *, has_host_tier: bool) -> None:
@@ -58,11 +56,11 @@ def check_engine(layout: KVLayout, config: EngineConfig, model_config=None, *, h
     if model_config is not None:
         _check_full_attention(model_config)
     _check_kivi_head_dim(layout, config)
-    mode = config.offload_mode()
-    if mode is not None and not has_host_tier:
-        raise ConfigError(f"kv_offload {mode} needs a DRAM tier first in tiers (offloaded blocks live in its "
+    offload = config.offload_config()  # the offload settings, parsed once
+    if offload.mode is not None and not has_host_tier:
+        raise ConfigError(f"kv_offload {offload.mode} needs a DRAM tier first in tiers (offloaded blocks live in its "
                           f"memory): start the tiers with dram:SIZE, e.g. --tier dram:4GiB")
-    _check_budget(layout, config)
+    _check_budget(layout, config, offload)
 
 
 def check_tiers(tiers, slot_bytes: int) -> None:
@@ -94,37 +92,37 @@ def _check_kivi_head_dim(layout: KVLayout, config: EngineConfig) -> None:
                           f"{config.kv_codec[3:]}-bit codes into whole bytes: kv_codec {works} works")
 
 
-def _check_budget(layout: KVLayout, config: EngineConfig) -> None:
-    need, have = blocks_needed(config), device_blocks(layout, config)
+def _check_budget(layout: KVLayout, config: EngineConfig, offload: OffloadConfig) -> None:
+    need, have = blocks_needed(offload), device_blocks(layout, config)
     if have >= need:
         return
-    offload = config.offload_mode() is not None
     beside = []
-    if offload:
-        beside.append(f"the offload fetch area ({fmt_bytes(fetch_area_bytes(layout, config))})")
+    if offload.mode is not None:
+        area = fetch_area_bytes(layout, offload, config.device_kv_budget_bytes)
+        beside.append(f"the offload fetch area ({fmt_bytes(area)})")
     if config.kv_codec in _KIVI:
         beside.append(f"the {config.max_num_seqs} open blocks {config.kv_codec} keeps at full precision "
                       f"({fmt_bytes(_open_blocks_bytes(layout, config, config.max_num_seqs))})")
-    wanted = (f"{need} (an offloaded request's window: {config.offload_sink_blocks} sink + "
-              f"{config.offload_recent_blocks} recent blocks, and one more)" if offload else "1")
-    others = [alt for alt in (_block_tokens_that_works(layout, config, need),
-                              _fetch_blocks_that_works(layout, config, need),
+    wanted = (f"{need} (an offloaded request's window: {offload.sink_blocks} sink + "
+              f"{offload.recent_blocks} recent blocks, and one more)" if offload.mode is not None else "1")
+    others = [alt for alt in (_block_tokens_that_works(layout, config, offload, need),
+                              _fetch_blocks_that_works(layout, config, offload, need),
                               _num_seqs_that_works(layout, config, need)) if alt]
     blocks = f"{have} block{'s' * (have != 1)} of {layout.block_tokens} tokens"
     beside_text = f" beside {' and '.join(beside)}" if beside else ""
     raise ConfigError(f"device_kv_budget {_size(config.device_kv_budget_bytes)} holds {blocks}{beside_text}; "
-                      f"the engine needs {wanted}: device_kv_budget {_smallest_budget(layout, config, need)} "
+                      f"the engine needs {wanted}: device_kv_budget {_smallest_budget(layout, config, offload, need)} "
                       f"works{' (or ' + ', or '.join(others) + ')' if others else ''}")
 
 
-def _smallest_budget(layout: KVLayout, config: EngineConfig, need: int) -> str:
+def _smallest_budget(layout: KVLayout, config: EngineConfig, offload: OffloadConfig, need: int) -> str:
     """The smallest budget in whole units of its size (MiB for a budget of MiBs) whose arena holds `need` blocks.
     Walked up, not solved: the fetch area grows with the budget (1/8 of it), so blocks do not grow steadily."""
     from kvtier.engine.arena import arena_block_bytes
 
     least = _open_blocks_bytes(layout, config, config.max_num_seqs) + need * arena_block_bytes(layout, config.kv_codec)
-    if config.offload_mode() is not None:
-        least += fetch_area_bytes(layout, config, 0)
+    if offload.mode is not None:
+        least += fetch_area_bytes(layout, offload, 0)
     unit = next(size for size, _ in _UNITS if least >= size)
     count = -(-least // unit)
     while device_blocks(layout, config, count * unit) < need:
@@ -132,22 +130,23 @@ def _smallest_budget(layout: KVLayout, config: EngineConfig, need: int) -> str:
     return _size(count * unit)
 
 
-def _block_tokens_that_works(layout: KVLayout, config: EngineConfig, need: int) -> str | None:
+def _block_tokens_that_works(layout: KVLayout, config: EngineConfig, offload: OffloadConfig,
+                             need: int) -> str | None:
     """The largest smaller block that fits the budget (a whole number of sparse pages, when offloading)."""
     for tokens in range(layout.block_tokens - 1, 0, -1):
-        page = min(config.offload_page_tokens, tokens)
-        if config.offload_mode() is not None and tokens % page:
+        if offload.mode is not None and tokens % min(offload.page_tokens, tokens):
             continue
         if device_blocks(replace(layout, block_tokens=tokens), config) >= need:
             return f"block_tokens {tokens}"
     return None
 
 
-def _fetch_blocks_that_works(layout: KVLayout, config: EngineConfig, need: int) -> str | None:
+def _fetch_blocks_that_works(layout: KVLayout, config: EngineConfig, offload: OffloadConfig,
+                             need: int) -> str | None:
     """With offload_fetch_blocks set: the largest that leaves room for the window."""
-    if config.offload_mode() is None or not config.offload_fetch_blocks:
+    if offload.mode is None or not offload.fetch_blocks:
         return None
-    for blocks in range(config.offload_fetch_blocks - 1, 0, -1):
+    for blocks in range(offload.fetch_blocks - 1, 0, -1):
         if device_blocks(layout, replace(config, offload_fetch_blocks=blocks)) >= need:
             return f"offload_fetch_blocks {blocks}"
     return None

@@ -109,7 +109,7 @@ class Scheduler:
     def _remove(self, request_id: str, reason: str) -> Sequence | None:
         if request_id in self.loading:  # its load result, when it comes, is dropped (finish_load: None)
             seq = self.loading.pop(request_id)
-            first = len(seq.block_keys)  # the load blocks follow the device-cached ones
+            first = seq.num_keyed_blocks  # the load blocks follow the device-cached ones
             self._orphaned_loads[request_id] = seq.block_ids[first:first + seq.num_loading_blocks]
             del seq.block_ids[first:first + seq.num_loading_blocks]
             self._finish(seq, reason)
@@ -203,7 +203,7 @@ class Scheduler:
             return 0
         for i in leaving:  # full and computed (i < start // t), so keyed; in order, after those already out
             assert i == self.sink_blocks + len(seq.host) + sum(1 for o in out.offloads if o.seq is seq), i
-            out.offloads.append(Offload(seq, i, seq.block_keys[i], seq.block_ids[i]))
+            out.offloads.append(Offload(seq, i, seq.key_chain.keys[i], seq.block_ids[i]))
             self.block_manager.release([seq.block_ids[i]])
             seq.block_ids[i] = -1
         for _ in range(num_new):
@@ -225,8 +225,7 @@ class Scheduler:
         self.running.remove(seq)
         self.num_preemptions += 1
         out.preempted.append(seq.request_id)
-        seq.num_computed_tokens = 0
-        seq.block_keys = []
+        seq.num_computed_tokens = seq.num_keyed_blocks = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self._release_blocks(seq)
@@ -276,7 +275,7 @@ class Scheduler:
             bm.acquire(block_id)
         new_ids = [self._allocate(out) for _ in range(num_needed)]
         seq.block_ids = device_ids + new_ids
-        seq.block_keys = keys[:len(device_ids)]
+        seq.num_keyed_blocks = len(device_ids)
         seq.num_computed_tokens = len(device_ids) * block_tokens
         self._count_hits(seq, [DEVICE] * len(device_ids))
         if match is not None:
@@ -302,7 +301,7 @@ class Scheduler:
         window = self.sink_blocks + self.recent_blocks
         if self.block_manager.num_free_blocks < window + self._num_reserved_blocks():
             return False
-        seq.block_ids, seq.block_keys, seq.num_computed_tokens = [], [], 0
+        seq.block_ids, seq.num_keyed_blocks, seq.num_computed_tokens = [], 0, 0
         usable = 0 if seq.needs_prompt_logits else (seq.num_tokens - 1) // self.block_tokens
         if self.prefix_caching and usable > self.sink_blocks:
             return self._reuse_offloaded_prefix(seq, self._keys(seq, usable), out)
@@ -329,7 +328,7 @@ class Scheduler:
             bm.acquire(block_id)
         new_ids = [self._allocate(out) for _ in range(len(match) if match is not None else 0)]
         seq.block_ids = device_ids + new_ids
-        seq.block_keys = keys[:len(device_ids)]
+        seq.num_keyed_blocks = len(device_ids)
         seq.num_computed_tokens = len(device_ids) * self.block_tokens
         self._count_hits(seq, [DEVICE] * len(device_ids))
         if not new_ids and host_match is None:
@@ -344,8 +343,8 @@ class Scheduler:
     def _host_prefix_ready(self, seq: Sequence, tiers: list[str]) -> None:
         """Its sink blocks are on the device: the host blocks held after them count as computed."""
         seq.block_ids += [-1] * len(tiers)  # not on the device: in `seq.host`
-        seq.block_keys = self._keys(seq, len(seq.block_keys) + len(tiers))
-        seq.num_computed_tokens = len(seq.block_keys) * self.block_tokens
+        seq.num_keyed_blocks = len(self._keys(seq, seq.num_keyed_blocks + len(tiers)))
+        seq.num_computed_tokens = seq.num_keyed_blocks * self.block_tokens
         self._count_hits(seq, tiers)
 
     def finish_load(self, request_id: str, num_loaded: int, tiers: list[str],
@@ -362,11 +361,11 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_loading_blocks = 0
-        keys = self._keys(seq, len(seq.block_keys) + num_loaded)
-        first = len(seq.block_keys)
+        first = seq.num_keyed_blocks
+        keys = self._keys(seq, first + num_loaded)
         for i in range(first, len(keys)):
             self.block_manager.register(seq.block_ids[i], keys[i], self._origin(seq, i, tiers[i - first]))
-        seq.block_keys = keys
+        seq.num_keyed_blocks = len(keys)
         seq.num_computed_tokens = len(keys) * self.block_tokens
         self._count_hits(seq, tiers[:num_loaded])
         if seq.host is not None and seq.host.keys:  # an offloaded prefix: its host blocks follow the sinks
@@ -435,10 +434,10 @@ class Scheduler:
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         block_tokens = self.block_tokens
-        while len(seq.block_keys) < seq.num_computed_tokens // block_tokens:
-            i = len(seq.block_keys)
+        while seq.num_keyed_blocks < seq.num_computed_tokens // block_tokens:
+            i = seq.num_keyed_blocks
             key = self._keys(seq, i + 1)[i]
-            seq.block_keys.append(key)
+            seq.num_keyed_blocks += 1
             if self.prefix_caching and self.block_manager.register(seq.block_ids[i], key, self._origin(seq, i)):
                 self._newly_full.append((key, seq.block_ids[i]))
 

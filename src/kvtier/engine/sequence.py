@@ -123,7 +123,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0      # tokens whose KV is computed (in device blocks, or host blocks if offloaded)
     block_ids: list[int] = field(default_factory=list)  # -1: a block in host memory (offloaded sequences)
-    block_keys: list[bytes] = field(default_factory=list)  # keys of the full, computed blocks (a prefix of block_ids)
+    num_keyed_blocks: int = 0         # its first full, computed blocks: keyed (`block_keys`), a prefix of block_ids
     num_cached_tokens: int = 0        # prompt tokens found cached at (first) admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_loading_blocks: int = 0       # blocks the transfer worker is filling while WAITING_FOR_KV
@@ -144,6 +144,11 @@ class Sequence:
         """It asked for prompt logprobs and its prompt has not been computed all through yet (so it
         computes every prompt position: no prefix-cache hit)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def block_keys(self) -> list[bytes]:
+        """Keys of its full, computed blocks: the first `num_keyed_blocks` of its `key_chain` (the one list)."""
+        return self.key_chain.keys[:self.num_keyed_blocks] if self.key_chain is not None else []
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ engine supplies only the destination write:
   there. An arena whose block writes touch state a forward uses (the quantized formats) gets the
   decoded blocks back, still leased, for the step thread to copy before the next forward
   (`TierIO(write_block=None)`). A load of an offloaded sequence (longer than the device) also
-  holds the blocks after its sink blocks in DRAM slots (`LoadJob.host_match`, `BlockMover.pin_in_host`:
+  holds the blocks after its sink blocks in DRAM slots (`LoadJob.host_match`, `HostBlockPool.pin_match`:
   read from below once, stored and pinned there), once its device blocks are all in; the step thread
   takes the slots from the `LoadDone` (or unpins them, for a request that ended meanwhile);
 - stores: the step thread copies each full block out of the arena (its slot may be reused next
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
@@ -38,7 +39,8 @@ import torch
 
 from kvtier.codecs import Codec
 from kvtier.tiers.manager import PrefixMatch, TierManager
-from kvtier.transfer import BlockMover, KeptBlocks, PinnedInHost
+from kvtier.offload.pool import HostBlockPool, PinnedInHost
+from kvtier.transfer import BlockMover, KeptBlocks
 from kvtier.transfer.copies import CopyGroup
 
 log = logging.getLogger(__name__)
@@ -77,36 +79,44 @@ class TransferStats:
 
 
 class _DeviceBlocks:
-    """The engine's sink: block i of the load goes into device block `block_ids[i]`, its copies handed
-    to `copies` (done when the group finishes)."""
+    """The engine's sink, the one place restored blocks go into the device arena: block i of the load goes
+    into device block `block_ids[i]` — on the worker, its copies handed to `copies` (done when the group
+    finishes); on the step thread (`copies` None: arenas whose block writes touch what a forward uses),
+    written at once."""
 
-    def __init__(self, write_block: Callable[[int, torch.Tensor, CopyGroup], None], block_ids: list[int],
-                 copies: CopyGroup) -> None:
+    def __init__(self, write_block: Callable[..., None], block_ids: list[int], copies: CopyGroup | None = None
+                 ) -> None:
         self.write_block = write_block
         self.block_ids = block_ids
         self.copies = copies
 
     def write(self, index: int, block: torch.Tensor) -> None:
-        self.write_block(self.block_ids[index], block, self.copies)
+        if self.copies is None:
+            self.write_block(self.block_ids[index], block)
+        else:
+            self.write_block(self.block_ids[index], block, self.copies)
 
 
 class TierIO:
     """One load thread (and the mover's save thread) between the engine and the tier manager.
     `write_block(block_id, kv, copies)` puts a decoded block into its device block, its host copies
-    handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy).
-    `synchronous=True` runs every job at submission (tests, debugging); results are the same, only
-    when they happen differs."""
+    handed to the `CopyGroup` (None: loads come back decoded, for the step thread to copy: `write_decoded`).
+    `host_pool`: where a load's host part is held (offload on). `synchronous=True` runs every job at
+    submission (tests, debugging); results are the same, only when they happen differs."""
 
     def __init__(self, manager: TierManager, codec: Codec, *,
                  write_block: Callable[[int, torch.Tensor, CopyGroup], None] | None = None,
-                 synchronous: bool = False) -> None:
+                 host_pool: HostBlockPool | None = None, synchronous: bool = False) -> None:
         self.manager = manager
+        self.host_pool = host_pool
         self.codec = codec
         self.write_block = write_block
         self.mover = BlockMover(manager, codec, synchronous=synchronous)
         self._stream = torch.cuda.Stream() if write_block is not None and torch.cuda.is_available() else None
         self._errors = 0
         self._num_loads = 0  # jobs run (a job's device restore and host hold are one load)
+        self._num_host_blocks = 0  # blocks loads held in DRAM slots (`host_pool`), and the time it took
+        self._host_seconds = 0.0
         self._loads: deque[LoadJob] = deque()
         self._done: deque[LoadDone] = deque()
         self._cond = threading.Condition()
@@ -121,8 +131,8 @@ class TierIO:
     def stats(self) -> TransferStats:
         """A snapshot (the engine's stats and metrics read these names)."""
         m = self.mover.stats
-        return TransferStats(self._num_loads, m.num_blocks_restored, m.num_blocks_saved, m.restore_seconds,
-                             m.save_seconds, m.errors + self._errors)
+        return TransferStats(self._num_loads, m.num_blocks_restored + self._num_host_blocks, m.num_blocks_saved,
+                             m.restore_seconds + self._host_seconds, m.save_seconds, m.errors + self._errors)
 
     # -- the step thread ---------------------------------------------------------------------------
     def load(self, job: LoadJob) -> None:
@@ -143,6 +153,20 @@ class TierIO:
                 self._cond.wait_for(lambda: bool(self._done), timeout=timeout_s)
             done, self._done = list(self._done), deque()
         return done
+
+    def write_decoded(self, done: LoadDone, write_block: Callable[[int, torch.Tensor], None]) -> int:
+        """Step thread, before the next forward: a load's decoded blocks (`TierIO(write_block=None)`) into
+        their device blocks through `write_block(block_id, kv)`, in order. Returns the load's blocks now
+        in; a write that raises ends it there (logged: the rest is computed)."""
+        sink = _DeviceBlocks(write_block, done.block_ids[done.num_written:])
+        num_written = done.num_written
+        try:
+            for index, block in enumerate(done.blocks):
+                sink.write(index, block)
+                num_written += 1
+        except Exception:  # noqa: BLE001 — the rest of its prompt is computed instead
+            log.exception("copying a loaded prefix into the device failed")
+        return num_written
 
     def wait(self) -> None:
         """Until every submitted job has run, and the manager's own lower-tier writes have landed."""
@@ -210,8 +234,12 @@ class TierIO:
     def _pin_in_host(self, match: PrefixMatch, *, whole: bool) -> PinnedInHost:
         """The host part of a load, when the device part came in whole (the host blocks follow the
         sink blocks: without them they are of no use); its pins end either way."""
+        start = time.perf_counter()
         try:
-            return self.mover.pin_in_host(match) if whole else PinnedInHost()
+            pinned = self.host_pool.pin_match(match) if whole else PinnedInHost()
+            self._num_host_blocks += len(pinned)
+            self._host_seconds += time.perf_counter() - start
+            return pinned
         except Exception:  # noqa: BLE001 - the sequence computes them
             log.exception("holding a loaded prefix in host memory failed")
             self._errors += 1

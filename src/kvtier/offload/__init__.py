@@ -26,7 +26,7 @@ from a fixed *fetch area* on the device (counted in the device budget, two halve
 A request whose prompt is cached starts where that computation would have left it: its sink blocks on
 the device, its middle blocks held in DRAM slots. One lookup at admission finds both
 (`Scheduler._reuse_offloaded_prefix`); the transfer worker loads the sink blocks into the device and
-then holds the middle ones (`BlockMover.pin_in_host`): pinned where the DRAM tier holds them (no copy:
+then holds the middle ones (`HostBlockPool.pin_match`): pinned where the DRAM tier holds them (no copy:
 the blocks an earlier request wrote through), read once from a lower tier (SSD, a pool) otherwise,
 verified by their payload checksums, stored into DRAM slots (not written back down) and pinned there.
 The sequence waits in WAITING_FOR_KV meanwhile; the step thread never reads a tier.

@@ -58,7 +58,7 @@ class FetchArea:
 
     @host.setter
     def host(self, payloads: torch.Tensor) -> None:
-        """`[num_slots, L, 2, H, T, D]` view of the host memory's slots (`TierManager.host_payloads`)."""
+        """`[num_slots, L, 2, H, T, D]` view of the host memory's slots (`HostBlockPool.payloads`)."""
         if self._side is not None and not payloads.is_pinned():
             # a non_blocking copy from pageable memory is staged by the driver: correct, never overlapped
             raise ValueError("offload on CUDA needs the DRAM tier's slots in pinned memory (HostTier pins its "

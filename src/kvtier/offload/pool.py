@@ -4,14 +4,28 @@ An offloaded request keeps its middle blocks in DRAM slots (the DRAM tier's, the
 The pool is the engine's one owner of that memory: its slots' typed view (what attention reads), its *room*
 (slots set aside per request at admission for its longest need, so a running request never finds host memory
 full; an ended request whose tier load may still pin slots keeps its room until the load is back) and its *pins*
-(a block held in a slot while a sequence attends to it: where DRAM holds it already, else encoded and stored).
-Pins go through `TierManager.pin_host` / `unpin_host` (the tier's locks, write-through and demotion stay the
-manager's); the engine never touches them directly.
+(a block held in a slot while a sequence attends to it: where DRAM holds it already, else stored there; a pinned
+slot is never evicted nor reused by the tier's LRU). Pins are leases of the top tier's memory in place, through
+the manager (`TierManager.lease_in_place`: the tier's lock, write-through and demotion stay the manager's); the
+pool counts them, so the engine and its tests see what is held without reading a tier.
+
+Two threads pin: the step thread (`pin`: a block leaving a sequence's device window) and the transfer worker
+(`pin_match`: a cached prefix's middle blocks, read from where a lookup found them). The counts take a lock; the
+room is the step thread's alone.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections import Counter
 from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass, field
+
+from kvtier.tiers.manager import PrefixMatch
+
+log = logging.getLogger(__name__)
 
 
 class HostRoomError(ValueError):
@@ -23,26 +37,45 @@ class HostRoomError(ValueError):
         self.ever = ever
 
 
+@dataclass(slots=True)
+class PinnedInHost:
+    """What `pin_match` holds in DRAM slots: the first `len(slots)` blocks of the match."""
+
+    slots: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)  # the tier each came from
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
 class HostBlockPool:
-    """Host slots, room and pins of the offloaded requests of one engine (`manager`'s DRAM tier)."""
+    """Host slots, room and pins of the offloaded requests of one engine (`manager`'s top tier, DRAM)."""
 
     def __init__(self, manager, block_bytes: int) -> None:
-        host = manager.host_tier()
-        if host is None:
+        self.num_slots = manager.num_in_place_slots
+        if not self.num_slots:
             raise ValueError("the host block pool needs a DRAM tier (the manager's top tier)")
         self.manager = manager
-        self.num_slots = host.num_slots
         self.block_bytes = block_bytes
         self._reserved: dict[str, int] = {}   # request id -> slots set aside for it
         self._held_by_loads: set[str] = set()  # ended requests whose tier load may still pin slots
+        self._pins: Counter[bytes] = Counter()  # key -> pins held (a block shared by two sequences: two)
+        self._lock = threading.Lock()
 
     @property
     def num_reserved(self) -> int:
         return sum(self._reserved.values())
 
+    @property
+    def num_pinned(self) -> int:
+        """Pins held now (0 once every offloaded request has ended and its loads are back)."""
+        with self._lock:
+            return sum(self._pins.values())
+
     def payloads(self, dtype, shape: tuple[int, ...]):
         """`[num_slots, *shape]` typed view of every slot's payload: a pinned block is row `slot`."""
-        return self.manager.host_payloads(dtype, shape)
+        return self.manager.in_place_view(dtype, shape)
 
     # -- room -----------------------------------------------------------------------------------------
     def check_room(self, need: int) -> None:
@@ -82,15 +115,50 @@ class HostBlockPool:
     # -- pins -----------------------------------------------------------------------------------------
     def pin(self, key: bytes, encode: Callable[[], bytes]) -> int:
         """Hold `key`'s block in a slot: where DRAM holds it already (checked by its key-bound header), else
-        `encode()`d and stored there. Returns the slot; RuntimeError when no slot can hold it."""
-        slot = self.manager.pin_host(key, None)
+        `encode()`d and stored there (and written through below). Returns the slot; RuntimeError when no
+        slot can hold it."""
+        slot = self.manager.lease_in_place([(key, None)])[0]
         if slot is None:
-            slot = self.manager.pin_host(key, encode())
+            slot = self.manager.lease_in_place([(key, encode())])[0]
         if slot is None:
             raise RuntimeError("host memory could not hold a block (every DRAM slot pinned)")
+        self._count([key], +1)
         return slot
+
+    def pin_match(self, match: PrefixMatch) -> PinnedInHost:
+        """Hold a lookup's blocks in DRAM slots, in order, each until `unpin`: a block DRAM holds is pinned
+        where it is; one read from below (its payload proven by the stream) is stored into a slot, not
+        written back down, and pinned there. Ends at the first block missing, bad, or that no slot can
+        hold; the lookup's own pins end with the stream."""
+        pinned = PinnedInHost()
+        top = self.manager.tiers[0].name
+        try:
+            with closing(self.manager.stream(match)) as blocks:
+                for block in blocks:
+                    here = block.tier == top
+                    slot = self.manager.lease_in_place([(block.key, None if here else block.payload)],
+                                                       from_below=not here)[0]
+                    if slot is None:
+                        break
+                    pinned.slots.append(slot)
+                    pinned.keys.append(block.key)
+                    pinned.tiers.append(block.tier)
+                    self._count([block.key], +1)
+        except BaseException:
+            self.unpin(pinned.keys)  # nobody takes them
+            raise
+        return pinned
 
     def unpin(self, keys: list[bytes]) -> None:
         """Let go of blocks no sequence attends to any more (finished, aborted, preempted, a load not taken)."""
         if keys:
-            self.manager.unpin_host(keys)
+            self._count(keys, -1)
+            self.manager.release_in_place(keys)
+
+    def _count(self, keys: list[bytes], delta: int) -> None:
+        with self._lock:
+            for key in keys:
+                self._pins[key] += delta
+                assert self._pins[key] >= 0, f"block {key.hex()[:12]} unpinned more often than pinned"
+                if not self._pins[key]:
+                    del self._pins[key]

@@ -66,3 +66,6 @@ class Tier(Protocol):
     def num_blocks(self) -> int: ...
     def reconnect(self) -> bool: ...  # probe; on success `health.recover()`; returns `health.healthy`
     def close(self) -> None: ...
+    # An `in_process` tier (DRAM) is also an arena a reader may read in place: `num_slots` slots, a typed
+    # `payload_view(dtype, shape)` of them, and `lease_slots(items, placed_below=)`: `lease_many` by slot,
+    # storing a block it lacks first (`TierManager.lease_in_place`; a write-side call).

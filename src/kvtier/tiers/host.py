@@ -7,7 +7,8 @@ same time and neither waits longer than one block copy.
 
 Zero-copy reads: `lease_many(keys)` hands out read-only views of the slots themselves and pins
 them until `release(keys)`, so the reader verifies and decodes straight from the arena and copies
-once, into its destination. `pin_many(keys)` pins the slots a load will read (the lookup a load follows)
+once, into its destination; `lease_slots` leases by address instead (a row of `payload_view`), for a
+reader that keeps reading the arena in place, storing a block it lacks first. `pin_many(keys)` pins the slots a load will read (the lookup a load follows)
 until `unpin(keys)`. A pinned slot is never evicted nor reused: a put that finds every slot
 pinned is dropped (counted), and a key deleted while leased frees its slot at its last release.
 
@@ -159,41 +160,46 @@ class HostTier:
     def num_leased(self) -> int:
         return len(self._leases)
 
-    # -- resident blocks (kvtier/offload/: the live KV of a sequence longer than the device) -------
-    def pin_resident(self, key: bytes, data: bytes | None) -> tuple[int | None, list[tuple[bytes, bytes | None]]]:
-        """Lease `key`'s slot for as long as a running sequence needs it (`release([key])` ends it):
-        the block already here is checked by its key-bound header (it never left this process); one
-        that is not is stored from `data` first. Returns (slot or None when it cannot be held: not here
-        and no data, bad header, oversize, every slot leased), and the blocks evicted to make room."""
+    # -- reading the arena in place: leases by slot ------------------------------------------------
+    def lease_slots(self, items: list[tuple[bytes, bytes | None]], *, placed_below: bool = False
+                    ) -> tuple[list[int | None], list[tuple[bytes, bytes | None]]]:
+        """`lease_many` by address, for a reader of the arena in place (`payload_view`): lease each block's
+        slot until `release([key])`, storing it from its data first where this tier does not hold it (data
+        None: left unheld). A block held already is leased where it is, its key-bound header checked (a bad
+        one is dropped and, with data, stored again). `placed_below`: a lower tier holds the blocks stored
+        here now (their eviction copies nothing out). Store and lease happen under one lock: no put can
+        evict a block between them. Returns each block's slot (None: not held and no data, oversize, every
+        slot leased) and the blocks evicted to make room, as `put_many` does."""
+        slots: list[int | None] = []
         evicted: list[tuple[bytes, bytes | None]] = []
         with self._lock:
-            slot = self._key_to_slot.get(key)
-            if slot is not None and not _header_matches(self._slot(slot), key):
-                log.warning("dram tier: block %s failed its header check; replaced", key.hex()[:12])
-                self.stats.corrupt += 1
-                self._lru.pop(key)
-                del self._key_to_slot[key]
-                if self._slot_pins[slot]:  # a reader still holds a view: freed at its last release
-                    self._orphans.add(slot)
-                    self._lru.capacity = self.num_slots - len(self._orphans)
-                else:
-                    self._free_slots.append(slot)
-                slot = None
-            if slot is None:
-                if data is None or len(data) > self.slot_bytes:
-                    return None, evicted
-                evicted = self._put(key, data)
-                slot = self._key_to_slot.get(key)
-                if slot is None:
-                    return None, evicted
-            self._lru.touch(key)
-            self._slot_pins[slot] += 1
-            self._leases.add(key, slot)
-            return slot, evicted
+            for key, data in items:
+                slot = self._checked_slot(key)
+                if slot is None and data is not None and len(data) <= self.slot_bytes:
+                    evicted += self._put(key, data)
+                    slot = self._key_to_slot.get(key)
+                    if slot is not None and placed_below:
+                        self._below[slot] = True
+                if slot is not None:
+                    self._lru.touch(key)
+                    self._slot_pins[slot] += 1
+                    self._leases.add(key, slot)
+                slots.append(slot)
+        return slots, evicted
 
-    def slot_payloads(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """`[num_slots, *shape]` typed view of every slot's payload (after the 64-byte header): a pinned
-        slot's block is row `slot`. Read-only use: only `pin_resident`/`put_many` write slots."""
+    def _checked_slot(self, key: bytes) -> int | None:
+        """`key`'s slot, its key-bound header checked (it never left this process); a bad block is dropped."""
+        slot = self._key_to_slot.get(key)
+        if slot is None or _header_matches(self._slot(slot), key):
+            return slot
+        log.warning("dram tier: block %s failed its header check; dropped", key.hex()[:12])
+        self.stats.corrupt += 1
+        self._drop(key)
+        return None
+
+    def payload_view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """`[num_slots, *shape]` typed view of every slot's payload (after the 64-byte header): the block
+        in slot s is row s (`lease_slots` gives s). Read-only use: only puts write slots."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         if self.slot_bytes % itemsize or HEADER_BYTES % itemsize:
             raise ValueError(f"slots of {self.slot_bytes} B do not align to {dtype}")
@@ -253,18 +259,21 @@ class HostTier:
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            slot = self._key_to_slot.pop(key, None)
-            if slot is None:
-                return False
-            self._lru.pop(key)
-            announce_removed(self, [key])
-            if self._slot_pins[slot]:  # a reader still holds a view of it: freed at its last release
-                self._orphans.add(slot)
-                self._lru.capacity = self.num_slots - len(self._orphans)
-            else:
-                self._free_slots.append(slot)
-                self._slot_len[slot] = 0
-            return True
+            return self._drop(key)
+
+    def _drop(self, key: bytes) -> bool:
+        slot = self._key_to_slot.pop(key, None)
+        if slot is None:
+            return False
+        self._lru.pop(key)
+        announce_removed(self, [key])
+        if self._slot_pins[slot]:  # a reader still holds a view of it: freed at its last release
+            self._orphans.add(slot)
+            self._lru.capacity = self.num_slots - len(self._orphans)
+        else:
+            self._free_slots.append(slot)
+            self._slot_len[slot] = 0
+        return True
 
     def used_bytes(self) -> int:
         return len(self._key_to_slot) * self.slot_bytes

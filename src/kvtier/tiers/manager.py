@@ -35,7 +35,6 @@ from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
 from kvtier.tiers.health import HealthProber
-from kvtier.tiers.host import HostTier
 from kvtier.tiers.writeback import WriteBack
 
 log = logging.getLogger(__name__)
@@ -458,44 +457,44 @@ class TierManager:
         promotions."""
         self._writeback.flush()
 
-    # -- resident host memory: the live KV of sequences longer than the device (kvtier/offload/) --
-    def host_tier(self) -> HostTier | None:
-        """This process's DRAM tier (the top one), if there is one: the host memory offload uses."""
+    # -- the top tier's memory, read in place -------------------------------------------------------
+    @property
+    def num_in_place_slots(self) -> int:
+        """Slots of the top tier when it is this process's memory (`in_process`: a reader may read its
+        arena in place, `lease_in_place`), else 0."""
         top = self.tiers[0]
-        return top if isinstance(top, HostTier) else None
+        return top.num_slots if top.in_process else 0
 
-    def pin_host(self, key: bytes, data: bytes | memoryview | None, *, from_below: bool = False) -> int | None:
-        """Hold `key`'s block in a DRAM slot until `unpin_host([key])`: its slot, or None when it cannot
-        be held (no DRAM tier, every slot pinned). A block DRAM already holds (written through when it
-        was computed) is pinned where it is, checked by its key-bound header; else `data` is stored and
-        written through, as `put_many` — unless it was read from a lower tier (`from_below`): then
-        that tier holds it already, and its eviction will copy nothing out. Blocks evicted to make room
-        are demoted like any eviction."""
-        host = self.host_tier()
-        if host is None:
-            return None
-        with self._read_locks[id(host)], self._write_locks[id(host)]:  # the order the health prober takes them
-            slot, evicted = host.pin_resident(key, data)
-            if slot is not None and data is not None and from_below:
-                try:
-                    host.placed_below([key])
-                except BaseException:
-                    host.release([key])  # the caller gets no slot: its pin must not outlive this call
-                    raise
+    def in_place_view(self, dtype, shape: tuple[int, ...]):
+        """`[num_slots, *shape]` typed view of the top tier's slot payloads: a block leased in place at
+        slot s is row s."""
+        assert self.num_in_place_slots, "the top tier is not this process's memory"
+        return self.tiers[0].payload_view(dtype, shape)
+
+    def lease_in_place(self, items: list[tuple[bytes, bytes | memoryview | None]], *,
+                       from_below: bool = False) -> list[int | None]:
+        """Lease blocks in the top tier's memory for a reader in place, each until `release_in_place([key])`:
+        its slot, or None (data None and not held, every slot leased, the tier down or not in this
+        process). A block the top tier holds is leased where it is; one it lacks is stored from its data and
+        written through below, as `put_many` does — unless it was read from a lower tier (`from_below`):
+        that tier holds it already, and its eviction will copy nothing out. Blocks evicted to make room are
+        demoted like any eviction."""
+        top = self.tiers[0]
+        if not top.in_process:
+            return [None] * len(items)
+        slots, evicted = self._guarded(top, "lease", lambda: top.lease_slots(items, placed_below=from_below),
+                                       ([None] * len(items), []), writing=True)
         # demotion of what made room (a block placed below already comes back as its key alone)
         self._writeback.submit([(k, d) for k, d in evicted if d is not None], through=False)
-        if slot is not None and data is not None and not from_below:
-            self._writeback.submit([(key, data)], through=True)
-        return slot
+        if not from_below:
+            self._writeback.submit([(k, d) for (k, d), slot in zip(items, slots) if slot is not None and d is not None],
+                                   through=True)
+        return slots
 
-    def host_payloads(self, dtype, shape: tuple[int, ...]):
-        """`[num_slots, *shape]` typed view of the DRAM slots' payloads: a pinned block is row `slot`."""
-        return self.host_tier().slot_payloads(dtype, shape)
-
-    def unpin_host(self, keys: list[bytes]) -> None:
-        host = self.host_tier()
-        if host is not None and keys:
-            host.release(keys)
+    def release_in_place(self, keys: list[bytes]) -> None:
+        """End leases `lease_in_place` handed out (one each)."""
+        if keys:
+            release([(self.tiers[0], keys)])
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict[str, TierStats]:

@@ -12,10 +12,6 @@
   A sink that hands its copies to a `CopyGroup` (`transfer.copies`: a restore beside no forward, on
   several threads) passes it as `copies`: the mover finishes it before any lease ends, and a failed
   copy restores nothing (logged, counted; the destination may be half-written, the caller computes).
-- host (`pin_in_host(match)`): the middle blocks of a sequence longer than the device live in this
-  process's DRAM slots, encoded as the DRAM tier keeps them (`kvtier/offload/`). The same stream,
-  no decode: a block DRAM holds is pinned where it is; one read from below (its payload proven) is
-  stored into a slot, not written back down, and pinned there (`TierManager.pin_host`).
 - save (`save(keys, blocks)`): the encode (checksum) and the manager's put of full blocks run off the
   caller's step, as a job on the process's one writer (`TierManager.write_later`, `tiers/writeback.py`),
   where the put writes through to the lower tiers at once: one queue, one bound, one drop counter for
@@ -70,20 +66,8 @@ class Restored:
 
 
 @dataclass(slots=True)
-class PinnedInHost:
-    """What `pin_in_host` holds in DRAM slots: the first `len(slots)` blocks of the match."""
-
-    slots: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    tiers: list[str] = field(default_factory=list)  # the tier each came from
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-
-@dataclass(slots=True)
 class MoverStats:
-    num_blocks_restored: int = 0    # into a sink, or held in DRAM slots (`pin_in_host`)
+    num_blocks_restored: int = 0    # into a sink
     restore_seconds: float = 0.0    # reading, verifying, decoding and the sink's writes
     num_blocks_saved: int = 0
     num_blocks_dropped: int = 0     # a full save queue, or a save that failed
@@ -145,28 +129,6 @@ class BlockMover:
         finally:
             release(held)
 
-    def pin_in_host(self, match: PrefixMatch) -> PinnedInHost:
-        """Hold `match`'s blocks in this process's DRAM slots, in order, each until the caller's
-        `TierManager.unpin_host`. Ends at the first block missing, bad, or that no slot can hold."""
-        start = time.perf_counter()
-        pinned = PinnedInHost()
-        host = self.manager.host_tier()
-        try:
-            with closing(self.manager.stream(match)) as blocks:
-                for block in blocks:
-                    here = host is not None and block.tier == host.name
-                    slot = self.manager.pin_host(block.key, None if here else block.payload, from_below=not here)
-                    if slot is None:
-                        break
-                    pinned.slots.append(slot)
-                    pinned.keys.append(block.key)
-                    pinned.tiers.append(block.tier)
-        except BaseException:
-            self.manager.unpin_host(pinned.keys)  # nobody takes them
-            raise
-        self._count_restored(len(pinned), start)
-        return pinned
-
     def _count_restored(self, num_blocks: int, start: float) -> None:
         with self._lock:
             self.stats.num_blocks_restored += num_blocks
@@ -223,6 +185,11 @@ class BlockMover:
             self.stats.num_blocks_dropped += len(job.keys)
         return False
 
+    def encode(self, key: bytes, block: torch.Tensor) -> bytes:
+        """Block `key` ([L, 2, H, T, D]) as the tiers keep it: the codec's bytes under a header bound to its
+        key (what a save puts down; an offloaded sequence's block leaving its device window too)."""
+        return self.codec.encode(block, key)
+
     def _save_on_writer(self, job: _Save) -> None:
         if self._on_thread_start is not None and threading.get_ident() not in self._started:
             self._started.add(threading.get_ident())
@@ -238,7 +205,7 @@ class BlockMover:
                 held = self.manager.contains_many(job.keys)
                 items = [item for item, is_held in zip(items, held) if not is_held]
             if items:
-                self.manager.put_many([(key, self.codec.encode(block, key)) for key, block in items])
+                self.manager.put_many([(key, self.encode(key, block)) for key, block in items])
             saved = len(items)
         except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request
             log.exception("saving %d blocks failed", len(job.keys))
