@@ -41,7 +41,8 @@ class ChatStub:
                     tok = len(prompt) + i
                     choice = {"delta": {"content": f"t{tok} "}, "token_ids": [tok]}
                     yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"]}
+                usage = {"prompt_tokens": len(prompt), "completion_tokens": body["max_tokens"],
+                         "prompt_tokens_details": {"cached_tokens": len(prompt) - 2}}  # all but the last turn
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
                 yield b"data: [DONE]\n\n"
 
@@ -93,6 +94,8 @@ def test_rows_compare_every_reply_with_the_reference_and_the_report_renders(tmp_
     assert rows[1]["prefix_hit_rate"] == 0.6 and rows[1]["requests_per_replica"] == [2, 2]
     assert rows[1]["cached_tokens_by_tier"] == {"device": 64, "shm": 56}
     assert rows[2]["failed"] == 1 and "ConnectError" in rows[2]["first_error"]
+    # per turn: user, turn, the replica that answered (the stub sends no header), prompt and cached tokens
+    assert rows[1]["routed"] == [[0, 0, "", 2, 0], [0, 1, "", 4, 2], [1, 0, "", 2, 0], [1, 1, "", 4, 2]]
     table = route.render({"rows": rows})
     assert "| round-robin/local | 4 | 0 | 0 |" in table and "60%" in table and "| yes |" in table
     route.plot({"rows": rows}, str(tmp_path / "route.png"), "t")

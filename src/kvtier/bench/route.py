@@ -74,6 +74,7 @@ class RouteResult(SystemResult):
     num_cut: int = 0  # streams that broke after their first token (in flight on a killed replica), retried
     texts: dict = field(default_factory=dict)  # (user, turn) -> the reply's text (what the next turn carries)
     routed: dict = field(default_factory=dict)  # (user, turn) -> the replica that answered (kvtier route says)
+    usage: dict = field(default_factory=dict)  # (user, turn) -> (prompt tokens, cached tokens) its replica reported
 
 
 def system_names(policies=POLICIES, setups=SETUPS) -> list[str]:
@@ -103,7 +104,10 @@ async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: 
                     chunk = json.loads(line[6:])
                     prompt_ids = prompt_ids or chunk.get("prompt_token_ids")
                     if chunk.get("usage"):
-                        result.num_prompt_tokens += chunk["usage"].get("prompt_tokens", 0)
+                        usage = chunk["usage"]
+                        result.num_prompt_tokens += usage.get("prompt_tokens", 0)
+                        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                        result.usage[key] = (usage.get("prompt_tokens", 0), cached)
                     for choice in chunk.get("choices") or []:
                         content = (choice.get("delta") or {}).get("content")
                         if content or choice.get("token_ids"):
@@ -273,7 +277,8 @@ def front_door(policy: str, replicas: Replicas, root: Path, model_dir: Path, *, 
 # -- the run ---------------------------------------------------------------------------------------------
 
 def _replica_counts(before: dict, after: dict) -> dict:
-    """One replica's share of the run, from its /metrics: requests, prompt tokens, computed, cached by tier."""
+    """One replica's share of the run, from its /metrics: requests, prompt tokens, computed, cached by tier, and
+    kvtier's blocks that failed to load (recomputed) or were not saved (a later miss)."""
     from kvtier.bench.vllm import _cached_tokens, _delta
 
     return {"requests": int(_delta(before, after, "vllm:request_success_total")),
@@ -281,6 +286,8 @@ def _replica_counts(before: dict, after: dict) -> dict:
             "computed_tokens": int(_delta(before, after, "vllm:request_prefill_kv_computed_tokens_sum")),
             "prefill_s": _delta(before, after, "vllm:request_prefill_time_seconds_sum"),
             "preemptions": int(_delta(before, after, "vllm:num_preemptions_total")),
+            "failed_blocks": int(_delta(before, after, "kvtier:failed_blocks_total")),
+            "dropped_blocks": int(_delta(before, after, "kvtier:dropped_blocks_total")),
             "cached_tokens_by_tier": _cached_tokens(before, after)}
 
 
@@ -309,7 +316,8 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
            "ttft_p90_s": _pct(ttfts, 90), "itl_mean_s": sum(itls) / len(itls) if itls else 0.0,
            "wall_s": result.wall_s, "same_replies_as_reference": same,
            "first_error": result.first_error,
-           "routed": [[u, t, result.routed.get((u, t), "")] for (u, t) in sorted(result.texts)]}
+           "routed": [[u, t, result.routed.get((u, t), ""), *result.usage.get((u, t), (0, 0))]
+                      for (u, t) in sorted(result.texts)]}  # user, turn, replica, prompt tokens, cached tokens
     if replicas:
         cached: dict[str, int] = {}
         for r in replicas:
