@@ -4,9 +4,10 @@ offloaded sequence's (`kvtier/offload/`), so a context larger than the device st
 A layer keeps a *window* where the compute is — its first `sink_blocks` blocks (attention sinks) and its
 last `recent_blocks` (the open block and the ones just before it): one device buffer of
 (sink + recent) blocks, allocated at its first update — and every full block in between in host memory
-(pinned when CUDA is present), block-major `[B, blocks, H, T, D]`: a run of blocks is one contiguous
-host -> device copy, one block one contiguous write. Which blocks are on the host follows the engine's
-rule: with n tokens in the context, logical blocks [sink, max(sink, ceil(n / T) - recent)).
+(`kvtier.offload.host_kv.HostKV`: pinned when CUDA is present, block-major `[B, blocks, H, T, D]`, a run of
+blocks one contiguous host -> device copy, one block one contiguous write; the staging and the sparse pick).
+Which blocks are on the host follows the engine's rule: with n tokens in the context, logical blocks
+[sink, max(sink, ceil(n / T) - recent)).
 
 - `exact`: every update returns the whole context — sink, the host blocks copied to the device, the
   window's tail, the new tokens — the same K/V values `DynamicCache` returns, so attention and the
@@ -38,15 +39,14 @@ from functools import partial
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtier.offload.config import PAGE_SUMMARY_VECTORS, OffloadConfig
-from kvtier.offload.pages import page_summary, select_pages
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.host_kv import HostKV
 
 
 class OffloadLayer(CacheLayerMixin):
     """One layer: `keys`/`values` are the device window [B, H, (sink + recent) T, D] — tokens [0, sink T),
-    then the tail, tokens [(sink + num_host_blocks) T, num_tokens) — and `_host_k`/`_host_v`
-    [B, capacity, H, T, D] the host blocks; `_summaries` [capacity, T / P, H, 3, D] their pages' key min/max/mean
-    (sparse, pages of P = `page_tokens`)."""
+    then the tail, tokens [(sink + num_host_blocks) T, num_tokens) — and `host` its host blocks and their pages'
+    summaries (`kvtier.offload.host_kv.HostKV`: storage, staging and the sparse pick live there)."""
 
     is_sliding = False
 
@@ -64,11 +64,7 @@ class OffloadLayer(CacheLayerMixin):
         self.pages_per_block = self.block_tokens // self.page_tokens
         self.query = query
         self.num_tokens = 0
-        self.num_host_blocks = 0  # logical blocks sink_blocks .. sink_blocks + num_host_blocks - 1
-        self._host_k: torch.Tensor | None = None
-        self._host_v: torch.Tensor | None = None
-        self._summaries: torch.Tensor | None = None
-        self._staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.host: HostKV | None = None  # made at the first update (its device and dtype are the model's)
         self.fetched_bytes = 0          # host -> device, every update
         self.decode_fetched_bytes = 0   # by one-token updates
         self.num_decode_steps = 0
@@ -84,8 +80,13 @@ class OffloadLayer(CacheLayerMixin):
         window_tokens = (self.sink_blocks + self.recent_blocks) * self.block_tokens
         self.keys = torch.empty((b, h, window_tokens, d), dtype=self.dtype, device=self.device)
         self.values = torch.empty_like(self.keys)
-        self._host_k = self._host_v = self._summaries = None
+        self.host = HostKV(self.block_tokens, self.page_tokens, self.mode.kind == "sparse", self.device, self.dtype)
         self.is_initialized = True
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Logical blocks sink_blocks .. sink_blocks + num_host_blocks - 1 are in host memory."""
+        return self.host.num_blocks if self.host is not None else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states [B, H, t, D] -> the K, V this step attends to, [B, H, m, D] on the device."""
@@ -118,22 +119,19 @@ class OffloadLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Empty, keeping the window and host buffers for the next request."""
-        self.num_tokens = self.num_host_blocks = self.num_decode_steps = 0
+        self.num_tokens = self.num_decode_steps = 0
         self.fetched_bytes = self.decode_fetched_bytes = 0
         self.fetch_seconds = 0.0
-        self._staged = None
+        if self.host is not None:
+            self.host.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search (exact mode: batch > 1): the window and the host blocks follow their beams."""
         if self.num_tokens:
             self.keys = self.keys.index_select(0, beam_idx.to(self.device))
             self.values = self.values.index_select(0, beam_idx.to(self.device))
-        if self._host_k is not None:
-            pin = torch.cuda.is_available()
-            self._host_k, self._host_v = (host.index_select(0, beam_idx.cpu()) for host in (self._host_k, self._host_v))
-            if pin:
-                self._host_k, self._host_v = self._host_k.pin_memory(), self._host_v.pin_memory()
-            self._staged = None
+        if self.host is not None:
+            self.host.reorder(beam_idx)
 
     # -- sizes ----------------------------------------------------------------------------------
     def _host_end(self, num_tokens: int) -> int:
@@ -146,12 +144,10 @@ class OffloadLayer(CacheLayerMixin):
         return self.keys.nbytes + self.values.nbytes if self.is_initialized else 0
 
     def host_bytes(self) -> int:
-        if self._host_k is None:
-            return 0
-        return 2 * self._host_k[:, :self.num_host_blocks].nbytes
+        return self.host.nbytes() if self.host is not None else 0
 
     def summary_bytes(self) -> int:
-        return self._summaries[:self.num_host_blocks].nbytes if self._summaries is not None else 0
+        return self.host.summary_bytes() if self.host is not None else 0
 
     # -- writing ----------------------------------------------------------------------------------
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,40 +178,13 @@ class OffloadLayer(CacheLayerMixin):
         return tail_k, tail_v
 
     def _to_host(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, H, j T, D] (full blocks, on the device) -> host blocks num_host .. num_host + j - 1."""
-        b, h, num_tokens, d = k.shape
-        j, first = num_tokens // self.block_tokens, self.num_host_blocks
-        capacity = 0 if self._host_k is None else self._host_k.shape[1]
-        if first + j > capacity:
-            self.reserve_host(max(first + j, 2 * capacity))
-        blocks_k = k.unflatten(2, (j, self.block_tokens)).transpose(1, 2)  # [B, j, H, T, D]
-        self._host_k[:, first:first + j].copy_(blocks_k)
-        self._host_v[:, first:first + j].copy_(v.unflatten(2, (j, self.block_tokens)).transpose(1, 2))
-        if self._summaries is not None:
-            self._summaries[first:first + j] = page_summary(blocks_k[0], self.page_tokens)
-        self.num_host_blocks += j
+        """k, v [B, H, j T, D] (full blocks, on the device) -> the next j host blocks."""
+        self.host.append(k, v)
 
     def reserve_host(self, num_blocks: int) -> None:
         """Room for `num_blocks` host blocks (and their summaries) without reallocating later."""
-        capacity = 0 if self._host_k is None else self._host_k.shape[1]
-        if num_blocks <= capacity:
-            return
         b, h, _, d = self.keys.shape
-        pin = torch.cuda.is_available()
-        shape = (b, num_blocks, h, self.block_tokens, d)
-        host_k = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
-        host_v = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
-        n = self.num_host_blocks
-        if n:
-            host_k[:, :n].copy_(self._host_k[:, :n])
-            host_v[:, :n].copy_(self._host_v[:, :n])
-        self._host_k, self._host_v = host_k, host_v
-        if self.mode.kind == "sparse":
-            summaries = torch.empty((num_blocks, self.pages_per_block, h, PAGE_SUMMARY_VECTORS, d), dtype=self.dtype,
-                                    device=self.device)
-            if n:
-                summaries[:n] = self._summaries[:n]
-            self._summaries = summaries
+        self.host.reserve(num_blocks, b, h, d)
 
     # -- prefix restore (TieredCache.load_prefix) -------------------------------------------------
     def write_block(self, index: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -226,8 +195,7 @@ class OffloadLayer(CacheLayerMixin):
             self.keys[0, :, start:start + self.block_tokens].copy_(k)
             self.values[0, :, start:start + self.block_tokens].copy_(v)
         else:
-            self._host_k[0, index - self.sink_blocks].copy_(k)
-            self._host_v[0, index - self.sink_blocks].copy_(v)
+            self.host.write(index - self.sink_blocks, k, v)
 
     def restored(self, num_blocks: int) -> None:
         """`num_blocks` full blocks were written: the last ones move from host memory into the recent
@@ -236,28 +204,25 @@ class OffloadLayer(CacheLayerMixin):
         end = self._host_end(num_blocks * t_block)
         for block in range(end, num_blocks):
             start = (sink + block - end) * t_block
-            self.keys[0, :, start:start + t_block].copy_(self._host_k[0, block - sink])
-            self.values[0, :, start:start + t_block].copy_(self._host_v[0, block - sink])
-        self.num_tokens, self.num_host_blocks = num_blocks * t_block, end - sink
-        if self._summaries is not None and self.num_host_blocks:
-            self._summaries[:self.num_host_blocks] = page_summary(
-                self._host_k[0, :self.num_host_blocks].to(self.device), self.page_tokens)
+            k, v = self.host.block(block - sink)
+            self.keys[0, :, start:start + t_block].copy_(k)
+            self.values[0, :, start:start + t_block].copy_(v)
+        self.num_tokens = num_blocks * t_block
+        self.host.restored(end - sink)
 
     def block_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full block `index` of batch row 0 (for the tiers): K, V [H, T, D], wherever it lives."""
         t_block, sink = self.block_tokens, self.sink_blocks
         if sink <= index < sink + self.num_host_blocks:
-            return self._host_k[0, index - sink], self._host_v[0, index - sink]
+            return self.host.block(index - sink)
         start = (index if index < sink else index - self.num_host_blocks) * t_block
         return self.keys[0, :, start:start + t_block], self.values[0, :, start:start + t_block]
 
     # -- reading --------------------------------------------------------------------------------
     def stage(self, device: torch.device) -> None:
         """Start copying the host blocks to `device` (exact mode, on TieredCache's prefetch stream)."""
-        if self.mode.kind == "exact" and self.num_host_blocks:
-            n = self.num_host_blocks
-            self._staged = (self._host_k[:, :n].to(device, non_blocking=True),
-                            self._host_v[:, :n].to(device, non_blocking=True))
+        if self.mode.kind == "exact" and self.host is not None:
+            self.host.stage(device)
 
     def _whole(self, num_host: int, tail_k: torch.Tensor, tail_v: torch.Tensor, decode: bool):
         """The whole context: sink, host blocks [0, num_host), then the tail from its old start on."""
@@ -270,15 +235,7 @@ class OffloadLayer(CacheLayerMixin):
 
     def _fetch_host(self, num_host: int, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0].shape[1] == num_host:
-            if self.device.type == "cuda":  # made on the prefetch stream, read and freed on this one
-                for tensor in staged:
-                    tensor.record_stream(torch.cuda.current_stream(self.device))
-            host_k, host_v = staged
-        else:
-            host_k = self._host_k[:, :num_host].to(self.device, non_blocking=True)
-            host_v = self._host_v[:, :num_host].to(self.device, non_blocking=True)
+        host_k, host_v = self.host.fetch(num_host)
         self._count(2 * host_k.nbytes, decode, time.perf_counter() - start)
         return host_k, host_v
 
@@ -286,14 +243,8 @@ class OffloadLayer(CacheLayerMixin):
         """A decode step: sink + each KV head's `num_fetched` best host pages + the tail, [1, H, m, D]."""
         n, h, d = self.num_host_blocks, self.keys.shape[1], self.keys.shape[-1]
         query = self.query()  # [1, Hq, 1, D], after RoPE
-        top = select_pages(self._summaries[:n], query[0, :, 0].reshape(h, -1, d), num_fetched)  # [k, H]
         start = time.perf_counter()
-        top, heads = top.cpu(), torch.arange(h)
-        blocks, pages = top // self.pages_per_block, top % self.pages_per_block
-        # page top[j, head] of each head: [k, H, P, D] gathered on the host, then one copy
-        shape = (self._host_k.shape[1], h, self.pages_per_block, self.page_tokens, d)
-        host_k = self._host_k[0].view(shape)[blocks, heads, pages].to(self.device, non_blocking=True)[None]
-        host_v = self._host_v[0].view(shape)[blocks, heads, pages].to(self.device, non_blocking=True)[None]
+        host_k, host_v = self.host.pick(query[0, :, 0].reshape(h, -1, d), num_fetched)  # [1, k, H, P, D]
         self._count(2 * host_k.nbytes, True, time.perf_counter() - start)
         sink = self.sink_blocks * self.block_tokens
         tail_end = self.num_tokens - n * self.block_tokens

@@ -45,5 +45,6 @@ summaries and selection), `attend` (partial attentions, merged by log-sum-exp), 
 `attention` (`OffloadAttention`: what the engine's attention backend calls; `HostBlocks`, `SeqOffload`),
 `in_place` (decodes on the CPU: host blocks read where they sit, one kernel call a layer, no fetch area),
 `pool` (`HostBlockPool`: the engine's one owner of the host slots, room and pins of offloaded requests),
-`stats` (`OffloadStats`). `kvtier.hf_offload` is the transformers glue over the same pieces.
+`host_kv` (`HostKV`: a `TieredCache` layer's host blocks, its staging and sparse pick), `stats` (`OffloadStats`).
+`kvtier.hf_offload` is the transformers glue over the same pieces.
 """
