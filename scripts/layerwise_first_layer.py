@@ -5,7 +5,8 @@ shape (30 layers, 3 KV heads, d_head 64, fp32, 32-token blocks): a first worker 
 DRAM + SSD, then, per round, a fresh worker whose DRAM is empty (a new process on the same directory)
 loads them layer by layer. Reported: from `start_layerwise` to layer 0 ready (the forward's first
 attention may run) and to the last layer ready, best and median of the rounds; the SSD files stay in
-the page cache (the chat's case). Run it against two commits side by side:
+the page cache (the chat's case), or with `--cold` are dropped from it before each round (every byte
+from the device). Run it against two commits side by side:
 
     PYTHONPATH=/tmp/wt-old/src python scripts/layerwise_first_layer.py --blocks 13
     PYTHONPATH=src python scripts/layerwise_first_layer.py --blocks 13
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from pathlib import Path
 import statistics
 import tempfile
 import time
@@ -34,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--blocks", type=int, default=13, help="blocks per load (13 x 32 = 416 tokens)")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cold", action="store_true", help="drop the SSD files from the page cache each round")
     args = parser.parse_args()
     n = args.blocks
     layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=T)
@@ -44,7 +48,7 @@ def main() -> None:
         specs = [f"dram:{4 * n * layout.block_bytes}", f"ssd:{ssd}:1GiB"]
 
         def worker(manager) -> WorkerSide:
-            side = WorkerSide(layout, codec, manager, max_pending_saves=4)
+            side = WorkerSide(layout, codec, manager)
             side.register({name: torch.randn(2 * n, H, T, 2 * D) for name in names}, lambda s: int(s.split(".")[2]))
             return side
 
@@ -61,6 +65,8 @@ def main() -> None:
 
         first, last = [], []
         for _ in range(args.rounds):
+            if args.cold:
+                _drop_from_page_cache(Path(ssd))
             manager = build_manager(specs, slot_bytes=layout.block_bytes + 4096)
             side = worker(manager)
             spec = LoadSpec("r1", keys, list(range(n, 2 * n)), ["ssd"] * n)
@@ -76,11 +82,21 @@ def main() -> None:
             side.shutdown()
             manager.close()
     mb = n * layout.block_bytes / 1e6
-    print(json.dumps({"blocks": n, "megabytes": round(mb, 1), "rounds": args.rounds,
+    print(json.dumps({"blocks": n, "megabytes": round(mb, 1), "rounds": args.rounds, "cold": args.cold,
                       "first_layer_ms": {"best": round(min(first) * 1e3, 2),
                                          "median": round(statistics.median(first) * 1e3, 2)},
                       "last_layer_ms": {"best": round(min(last) * 1e3, 2),
                                         "median": round(statistics.median(last) * 1e3, 2)}}))
+
+
+def _drop_from_page_cache(directory: Path) -> None:
+    """Every block file's pages out of the page cache (they are written back: fsynced at write)."""
+    for path in directory.glob("*/*.kvb"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 if __name__ == "__main__":

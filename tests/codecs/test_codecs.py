@@ -32,8 +32,10 @@ def test_every_codec_frames_verifies_and_decodes_to_the_input_shape_and_dtype(na
     assert out.shape == kv.shape and out.dtype == kv.dtype
     if codec.lossless:
         assert torch.equal(out, kv)
-    if "zstd" not in name:  # exact size: header + the scheme's payload formula
-        assert len(buf) == codec.max_encoded_bytes(LAYOUT) == HEADER_BYTES + codec.bytes_per_token(LAYOUT) * 256
+    if "zstd" not in name:  # exact size: header + the scheme's payload formula (+ raw's layer table: 8 B a layer)
+        table = 8 * LAYOUT.num_layers if name == "raw" else 0
+        assert hdr.layered == (name == "raw")
+        assert len(buf) == codec.max_encoded_bytes(LAYOUT) == HEADER_BYTES + codec.bytes_per_token(LAYOUT) * 256 + table
     else:
         assert len(buf) <= codec.max_encoded_bytes(LAYOUT)
 

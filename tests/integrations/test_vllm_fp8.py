@@ -73,7 +73,8 @@ def test_fp8_blocks_go_down_and_a_second_process_prints_vllm_fp8s_text(reference
     keys = block_keys(space, first["prompt_token_ids"])
     paths = [ssd / key.hex()[:2] / f"{key.hex()}.kvb" for key in keys]
     assert all(path.is_file() for path in paths)
-    assert {path.stat().st_size for path in paths} == {HEADER_BYTES + 2 * 30 * 3 * 64 * BLOCK_TOKENS}
+    # header, payload, and the layer table (a checksum of 8 bytes per layer)
+    assert {path.stat().st_size for path in paths} == {HEADER_BYTES + 2 * 30 * 3 * 64 * BLOCK_TOKENS + 8 * 30}
     assert get_codec("raw").decode(paths[0].read_bytes(), keys[0]).dtype.itemsize == 1
 
     with start_vllm(tmp_path_factory.mktemp("vllm") / "fp8-second.log", tiers, extra_args=FP8) as server:

@@ -2,7 +2,10 @@
 
 A scheme turns kv [L, 2, H, T, D] into a few contiguous CPU tensors (the payload parts, fp16/fp32
 parts first so every part starts aligned to its element size) and back. The codec owns everything
-around it: input checks, the header, zstd, verification and the foreign-block check.
+around it: input checks, the header, zstd, verification and the foreign-block check. A scheme whose
+payload is layer-major with one size per layer (`layer_major`: raw) is written as a layered block (a
+checksum per layer, `codecs/header.py`) unless zstd'd, so a reader may take one layer of it at a time
+(`decode_layer`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Scheme(Protocol):
     lossless: bool
     group_tokens: int        # recorded in the header (0 where unused)
     group_size: int
+    layer_major: bool        # the payload is L equal slices, layer by layer (a checksum per layer)
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: str) -> int: ...
     def encode_parts(self, kv: torch.Tensor) -> list[torch.Tensor]: ...
@@ -37,6 +41,7 @@ class Codec:
         self.use_zstd = use_zstd
         self.name = scheme.name + (header.ZSTD_SUFFIX if use_zstd else "")
         self.lossless = scheme.lossless
+        self.layered = scheme.layer_major and not use_zstd
 
     def __repr__(self) -> str:
         return f"Codec({self.name!r})"
@@ -55,6 +60,13 @@ class Codec:
             if len(packed) >= len(plain):  # incompressible: store as is, so max_encoded_bytes holds
                 flags |= header.FLAG_STORED
             parts = [plain if flags & header.FLAG_STORED else packed]
+        if self.layered:
+            (payload,) = parts
+            step = len(payload) // kv.shape[0]
+            table = header.layer_table(key, [payload[n * step:(n + 1) * step] for n in range(kv.shape[0])])
+            hdr = Header(self.name, dtype, tuple(kv.shape), len(payload), header.table_checksum(key, table),
+                         header.FLAG_LAYERS, self.scheme.group_tokens, self.scheme.group_size)
+            return b"".join((header.pack(hdr, key), payload, table))
         checksum = xxhash.xxh3_64()
         for part in parts:
             checksum.update(part)
@@ -71,21 +83,37 @@ class Codec:
                         device: torch.device | str | None = None) -> torch.Tensor:
         """Decode a block whose `header.verify` (checksums, key) already passed and gave `hdr`: each
         payload is checksummed once on its way up. The codec and its parameters are still checked."""
-        params = (self.scheme.group_tokens, self.scheme.group_size)
-        if hdr.codec != self.name or (hdr.group_tokens, hdr.group_size) != params:
-            raise CorruptBlockError(f"foreign block: codec {hdr.codec!r} groups {hdr.group_tokens}/{hdr.group_size}, "
-                                    f"expected {self.name!r} groups {params[0]}/{params[1]}")
+        self._check_params(hdr)
         expected_bytes = self.scheme.payload_bytes(hdr.shape, hdr.dtype)
-        payload = memoryview(buf).cast("B")[HEADER_BYTES:]
+        payload = memoryview(buf).cast("B")[HEADER_BYTES:HEADER_BYTES + hdr.payload_bytes]
         if hdr.flags & header.FLAG_ZSTD and not hdr.flags & header.FLAG_STORED:
             payload = zstd.decompress(payload, expected_bytes)
         if len(payload) != expected_bytes:
             raise CorruptBlockError(f"payload is {len(payload)} bytes, shape {hdr.shape} needs {expected_bytes}")
         return self.scheme.decode_payload(hdr, payload, device)
 
+    def decode_layer(self, hdr: Header, buf: bytes | memoryview, layer: int,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+        """Layer `layer` of a layered block ([2, H, T, D]; MLA [1, 1, T, D]) whose header and that layer's
+        slice are proven (`header.verify(payload=False)`, `header.check_layer`): a view of `buf` on the CPU."""
+        self._check_params(hdr)
+        if not hdr.layered or self.scheme.payload_bytes(hdr.shape, hdr.dtype) != hdr.payload_bytes:
+            raise CorruptBlockError(f"block of {hdr.payload_bytes} payload bytes, flags {hdr.flags:#x}: not layered")
+        start, stop = hdr.layer_range(layer)
+        kv = frombuffer(memoryview(buf).cast("B")[start:stop]).view(getattr(torch, hdr.dtype)).view(hdr.shape[1:])
+        return kv.to(device) if device is not None else kv
+
+    def _check_params(self, hdr: Header) -> None:
+        params = (self.scheme.group_tokens, self.scheme.group_size)
+        if hdr.codec != self.name or (hdr.group_tokens, hdr.group_size) != params:
+            raise CorruptBlockError(f"foreign block: codec {hdr.codec!r} groups {hdr.group_tokens}/{hdr.group_size}, "
+                                    f"expected {self.name!r} groups {params[0]}/{params[1]}")
+
     def max_encoded_bytes(self, layout: KVLayout) -> int:
-        """Exact for codecs without zstd; an upper bound with it (incompressible payloads are stored)."""
-        return HEADER_BYTES + self.scheme.payload_bytes(layout.block_shape, layout.dtype)
+        """Exact for codecs without zstd (a layered block's table included); an upper bound with it
+        (incompressible payloads are stored)."""
+        table = header.table_bytes(layout.num_layers) if self.layered else 0
+        return HEADER_BYTES + self.scheme.payload_bytes(layout.block_shape, layout.dtype) + table
 
     def bytes_per_token(self, layout: KVLayout) -> float:
         """Payload bytes (codes + scales, no header, before zstd) per token of a full block."""

@@ -19,6 +19,7 @@ class Fp8Scheme:
     lossless = False
     group_tokens = 0
     group_size = 0
+    layer_major = False
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: str) -> int:
         return math.prod(shape) + 4 * math.prod(shape[:-1])

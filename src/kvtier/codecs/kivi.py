@@ -22,6 +22,7 @@ from kvtier.codecs.quant import DEFAULT_GROUP_SIZE, DEFAULT_GROUP_TOKENS
 
 class IntScheme:
     lossless = False
+    layer_major = False  # scales first, then codes
 
     def __init__(self, bits: int, group_tokens: int = DEFAULT_GROUP_TOKENS, group_size: int = DEFAULT_GROUP_SIZE):
         assert bits in quant.INT_BITS, bits

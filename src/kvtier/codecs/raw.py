@@ -17,6 +17,7 @@ class RawScheme:
     lossless = True
     group_tokens = 0
     group_size = 0
+    layer_major = True  # [L, 2, H, T, D] as is: layer l is the l-th of L equal slices
 
     def payload_bytes(self, shape: tuple[int, ...], dtype: str) -> int:
         return math.prod(shape) * _DTYPE_BYTES[dtype]

@@ -57,6 +57,8 @@ class Tier(Protocol):
     def lease_many(self, keys: list[bytes]) -> list[bytes | memoryview | None]: ...  # read-only, valid until release
     def release(self, keys: list[bytes]) -> None: ...                     # one lease of each leased key
     def num_leased(self) -> int: ...
+    # Optional (file tiers: SSD, shm): `lease_layers(keys)` -> a `tiers.ranged.RangedRead` (or None) each,
+    # read in pieces layer by layer, leased until release (`TierManager.stream_layers`).
     # Evicted blocks, LRU first: (key, data), or (key, None) for a block `placed_below` said a lower
     # tier holds (nothing to demote, nothing copied out).
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]: ...

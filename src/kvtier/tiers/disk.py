@@ -17,6 +17,8 @@ take one more block.
 Restores (`lease_many`) read each file straight into a page-aligned buffer of a reused pool —
 with O_DIRECT where the file system allows it, so the bytes move once, disk to buffer, with no page
 cache copy and no fresh allocation — several files in flight; the buffers go back at `release`.
+A layerwise load reads layer by layer (`lease_layers`, `tiers/ranged.py`): every file's head (header,
+layer 0) and layer table first, then the other layers in page-aligned pieces, all on the same readers.
 
 Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
 a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
@@ -57,6 +59,7 @@ from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
 from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
 from kvtier.tiers.health import TierHealth
+from kvtier.tiers.ranged import HEAD_BYTES, RangedRead, plan_pieces
 from kvtier.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -396,9 +399,12 @@ class DiskTier:
         paths = [self._path(key) for key in keys]
         if len(paths) < 2:
             return [read(path) for path in paths]
+        return list(self._reader_pool().map(read, paths))
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
         if self._readers is None:
             self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"kvtier-{self.name}-read")
-        return list(self._readers.map(read, paths))
+        return self._readers
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         start = time.perf_counter()
@@ -423,9 +429,59 @@ class DiskTier:
         self.stats.read_seconds += time.perf_counter() - start
         return out
 
+    def lease_layers(self, keys: list[bytes]) -> list[RangedRead | None]:
+        """`lease_many` in pieces, for a reader that takes a block layer by layer: each file's head (its
+        header and layer 0) is read before this returns, the layer table and the other layers are on
+        their way — piece n of every file before piece n + 1 of any (`RangedRead.wait` for a byte range).
+        Nothing is verified here (the manager does, slice by slice); buffers leased until `release`."""
+        start = time.perf_counter()
+        readers = self._reader_pool()
+        reads = list(readers.map(self._read_head, [self._path(key) for key in keys]))
+        plans = [plan_pieces(r.size, r.view()[:HEAD_BYTES]) if r is not None else [] for r in reads]
+        for n in range(max(map(len, plans), default=0)):
+            for read, plan in zip(reads, plans):
+                if n < len(plan):
+                    read.submit(readers, plan[n:n + 1])
+        for key, read in zip(keys, reads):
+            if read is not None:
+                self._leases.add(key, read)
+        self._after_read(keys, [read.view() if read is not None else None for read in reads], stamp=False)
+        # the stamps (a metadata write per file) after the reads, off the way to layer 0
+        readers.submit(self._stamp, [self._path(key) for key, read in zip(keys, reads) if read is not None])
+        self.stats.read_seconds += time.perf_counter() - start
+        return reads
+
+    def _read_head(self, path: Path) -> RangedRead | None:
+        """The file opened, a buffer for all of it taken, and its first `HEAD_BYTES` read; None: unreadable."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        read = None
+        try:
+            size = os.fstat(fd).st_size
+            read = RangedRead(fd, self._buffers.take(size), size, lambda: self._open_device(path))
+            read.read(0, min(size, HEAD_BYTES))
+            return read
+        except OSError:
+            if read is not None:
+                read.close()
+                self._buffers.give(read.buf)
+            else:
+                os.close(fd)
+            return None
+
+    def _open_device(self, path: Path) -> tuple[int, bool]:
+        """`path` opened for reads from the device: (fd, whether O_DIRECT)."""
+        fd = self._open_for_read(path)
+        return fd, self._direct_io
+
     def release(self, keys: list[bytes]) -> None:
-        """Give back the buffers `lease_many` read `keys` into (one lease each)."""
+        """Give back the buffers `lease_many` / `lease_layers` read `keys` into (one lease each)."""
         for buf in self._leases.end(keys):
+            if isinstance(buf, RangedRead):  # its pieces still reading end (or are cancelled) first
+                buf.close()
+                buf = buf.buf
             self._buffers.give(buf)
 
     def num_leased(self) -> int:
@@ -466,7 +522,7 @@ class DiskTier:
                 log.info("ssd tier %s: no O_DIRECT on this file system; buffered reads", self.directory)
         return os.open(path, os.O_RDONLY)
 
-    def _after_read(self, keys: list[bytes], out: list) -> None:
+    def _after_read(self, keys: list[bytes], out: list, *, stamp: bool = True) -> None:
         """Bookkeeping shared by both reads: recency (a block another process wrote is adopted now,
         its size known from the read), stamps, lost files, counters."""
         hit_keys = [key for key, data in zip(keys, out) if data is not None]
@@ -485,7 +541,8 @@ class DiskTier:
                     fresh = key not in self._in_flux and key not in self._lru and self._path(key).exists()
                     victims = (self._insert(key, size) or []) if fresh else []
                 self._evict(victims)
-        self._stamp([self._path(key) for key in hit_keys])
+        if stamp:
+            self._stamp([self._path(key) for key in hit_keys])
         for key, data in zip(keys, out):
             if data is None:
                 self._lost(key)

@@ -10,6 +10,8 @@
   counted, and ends the prefix there — the caller recomputes from that point. A block of this
   process's own DRAM never left the process: its key-bound header is checked, not its payload hash;
   every block that crossed a process or a medium (`shm:`, SSD, pools) gets the full proof.
+  `stream_layers` (a layerwise load) proves and hands out layer l of every block before the last
+  layer of any is read: a layered block's header and layer table first, then each slice on its own.
 - Write-back (`tiers/writeback.py`): the top tier is written synchronously, the lower tiers on one
   queue (write-through, so a second process on the same SSD or pool sees the blocks, and demotion of
   evicted blocks no lower tier holds yet: an eviction that write-through already placed below
@@ -30,7 +32,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtier.codecs.header import CorruptBlockError, Header, verify
+from kvtier.codecs.header import CorruptBlockError, Header, check_layer, verify
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
@@ -386,23 +388,118 @@ class TierManager:
             # DRAM slots of this process: the key-bound header; anything that crossed a medium: all of it
             return verify(data, key, payload=not tier.in_process)
         except CorruptBlockError as exc:
-            log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
-            with self._read_locks[id(tier)]:  # the prefetch thread may be counting this tier's reads
-                tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
-                tier.stats.misses += 1
-                tier.stats.corrupt += 1
-            self._guarded(tier, "delete", lambda: tier.delete(key), False)
+            self._reject(key, tier, exc)
             return None
 
-    def _settle(self, match: PrefixMatch, got: _Fetched, kept: int, hold: Leases | None) -> None:
-        """After a read of `kept` blocks: end the leases of the blocks past the prefix and the pins;
+    def _reject(self, key: bytes, tier: Tier, exc: CorruptBlockError) -> None:
+        log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
+        with self._read_locks[id(tier)]:  # the prefetch thread may be counting this tier's reads
+            tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
+            tier.stats.misses += 1
+            tier.stats.corrupt += 1
+        self._guarded(tier, "delete", lambda: tier.delete(key), False)
+
+    # -- reads layer by layer (a layerwise load) -------------------------------------------------------
+    def stream_layers(self, match: PrefixMatch, num_layers: int, *,
+                      hold: Leases) -> Iterator[list[VerifiedBlock | None]]:
+        """For l in 0..num_layers-1: every block of `match`, its layer l proven (None: the block is missing
+        or bad at this layer or before, and stays None). Blocks in a file tier (SSD, `shm:`) are read in
+        pieces (`lease_layers`): a layered block's header and layer table are proven before its layer 0
+        is handed out, each later slice just before its own layer, so layer 0 of every block comes before
+        the last layer of any is read. Other blocks (DRAM, pools, a file of an older format or a codec
+        without layers) are read whole, as `stream` does, and proven whole before their layer 0. Not a
+        prefix: the caller ends each request's prefix at its first None. A bad block is deleted and
+        counted, as in `stream`. When the iteration ends (or the generator is closed) the pins end, the
+        fully proven lower-tier blocks are promoted to the top tier on the writer thread, and every lease
+        goes to `hold` (those of blocks not fully proven end now)."""
+        n = len(match)
+        ranged = [i for i in range(n) if hasattr(self.tiers[match.tier_indices[i]], "lease_layers")]
+        whole = [i for i in range(n) if i not in set(ranged)]
+        ahead = self._prefetch().submit(self._fetch, match, True, whole) if whole else None
+        got, reads = _Fetched(), self._lease_layers(match, ranged)
+        headers: list[Header | None] = [None] * n
+        alive, complete = [True] * n, False
+        try:
+            fallen = [i for i in ranged if reads.get(i) is None]
+            if ahead is not None:
+                got.update(ahead.result())
+                ahead = None
+            got.update(self._fetch_below(match, fallen))
+            for i, read in reads.items():
+                if read is not None:
+                    tier_idx = match.tier_indices[i]
+                    got.data[i], got.source[i], got.leased[i] = read.view(), tier_idx, self.tiers[tier_idx]
+            for layer in range(num_layers):
+                yield [self._layer_at(match, got, reads, headers, alive, i, layer, num_layers) for i in range(n)]
+            complete = True
+        finally:
+            if ahead is not None:
+                got.update(ahead.result())
+            self._settle(match, got, [i for i in range(n) if complete and alive[i]], hold)
+
+    def _lease_layers(self, match: PrefixMatch, ranged: list[int]) -> dict[int, object]:
+        """Block index -> the file tier's ranged read (None: not there)."""
+        reads: dict[int, object] = {}
+        for _, (tier, idxs) in _by_tier((self.tiers[match.tier_indices[i]], i) for i in ranged).items():
+            keys = [match.keys[i] for i in idxs]
+            got = self._guarded(tier, "get", lambda t=tier: t.lease_layers(keys), [None] * len(idxs))
+            reads.update(zip(idxs, got))
+        return reads
+
+    def _fetch_below(self, match: PrefixMatch, idxs: list[int]) -> _Fetched:
+        """Whole reads from the tiers below where the match found `idxs` (missing there: fall through)."""
+        idxs = [i for i in idxs if match.tier_indices[i] + 1 < len(self.tiers)]
+        if not idxs:
+            return _Fetched()
+        below = PrefixMatch(match.keys, [t + 1 for t in match.tier_indices], match.tiers)
+        return self._fetch(below, True, idxs)
+
+    def _layer_at(self, match: PrefixMatch, got: _Fetched, reads: dict, headers: list, alive: list[bool],
+                  i: int, layer: int, num_layers: int) -> VerifiedBlock | None:
+        """Block i with its layer `layer` proven, or None (and from now on) if it is missing or bad."""
+        if not alive[i]:
+            return None
+        data, key = got.data.get(i), match.keys[i]
+        read = reads.get(i) if got.source.get(i) == match.tier_indices[i] else None
+        if data is None:
+            alive[i] = False
+            return None
+        tier = self.tiers[got.source[i]]
+        try:
+            if headers[i] is None:
+                if read is not None and not read.wait(0):  # the head and the layer table (or all of it)
+                    raise OSError("read failed")
+                hdr = verify(data, key, payload=False)
+                if not hdr.layered and not tier.in_process:
+                    verify(data, key)  # read whole: proven whole
+                if hdr.shape[0] != num_layers:
+                    raise OSError(f"{hdr.shape[0]} layers, the reader has {num_layers}")  # not this model's
+                headers[i] = hdr
+            hdr = headers[i]
+            if hdr.layered and not tier.in_process:
+                if read is not None and not read.wait(hdr.layer_range(layer)[1]):
+                    raise OSError("read failed")
+                check_layer(hdr, key, data, layer)
+        except CorruptBlockError as exc:
+            alive[i] = False
+            self._reject(key, tier, exc)
+            return None
+        except OSError:
+            alive[i] = False  # a read error, or a block of another shape: a miss
+            return None
+        return VerifiedBlock(key, hdr, data, tier.name)
+
+    def _settle(self, match: PrefixMatch, got: _Fetched, kept: int | list[int], hold: Leases | None) -> None:
+        """After a read of `kept` blocks (a prefix; `stream_layers`: those fully proven): end the leases of
+        the other blocks and the pins;
         promote the prefix's lower-tier blocks to the top tier on the writer thread (`flush()` waits for
         it), off the reader's path — a layerwise load writes its first layer without waiting for DRAM;
         end the prefix's own leases (or hand them to `hold`), those the promotion reads once it has too."""
-        promoted = [i for i in range(kept) if got.source[i] > 0]
-        ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i < kept and got.source[i] == 0)
+        kept = set(range(kept)) if isinstance(kept, int) else set(kept)  # a prefix, or any blocks (stream_layers)
+        promoted = [i for i in sorted(kept) if got.source[i] > 0]
+        ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i in kept and got.source[i] == 0)
         read_by_promotion = _by_tier((got.leased[i], match.keys[i]) for i in promoted if i in got.leased)
-        rest = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i >= kept)
+        rest = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i not in kept)
         release(list(rest.values()))
         self.unpin(match)
         shared = _SharedLeases(list(read_by_promotion.values()), parties=2 if promoted else 1)

@@ -9,12 +9,15 @@ two modes:
 - async: while the engine keeps stepping (the request waits in vLLM's WAITING_FOR_REMOTE_KVS state, so
   nothing reads its blocks until the load is reported finished); each block is written (all layers)
   as soon as it is verified;
-- layerwise: with the step that first runs the request; the thread restores every block of the
-  step's loads (verified, kept leased), then writes layer after layer, and the forward waits for each
-  layer just before its attention.
-No block's KV is written before it is verified and decoded; a missing, corrupt or foreign block
-ends the load there and its block ids (and those after it) are reported back, so vLLM recomputes
-them (a layerwise load's request then saves nothing this step: its new blocks attended to the holes).
+- layerwise: with the step that first runs the request; the thread streams the step's loads layer by
+  layer (`transfer.layers`: from the SSD or `shm:`, each file's header, layer table and layer 0 read
+  first, the other layers in pieces behind), writes layer l of every block once each of its slices is
+  proven against its own checksum, and the forward waits for each layer just before its attention.
+No KV is written before it is verified and decoded (a layered block: that layer's slice; any other:
+the whole block); a missing, corrupt or foreign block ends the load there and its block ids (and those
+after it) are reported back, so vLLM recomputes them (a layerwise load's request then saves nothing
+this step: its new blocks attended to the holes — or, for a block found bad at layer k, to its
+proven layers 0..k-1 and holes after).
 Saves copy the step's newly full blocks out layer by layer as the forward leaves each layer (the blocks
 may be freed after the step), into one buffer the step end hands to the mover's save queue, which
 encodes and writes them; a full queue drops the save (a future miss) rather than stall a step. No tier
@@ -31,8 +34,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -46,6 +48,7 @@ from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec
 from kvtier.tiers.disk import DiskStore
 from kvtier.tiers.manager import TierManager
 from kvtier.transfer import BlockMover, MoverStats
+from kvtier.transfer.layers import restoring_layers
 
 log = logging.getLogger("vllm.kvtier")  # under vLLM's logger: printed with its own lines
 
@@ -70,35 +73,6 @@ class _BlockWrites:
 
     def write(self, index: int, block: torch.Tensor) -> None:
         self.copies.copy_block_in(self.views, self.block_ids[index], block)  # block: [L, 2, H, T, D]
-
-
-@dataclass(slots=True)
-class _LayerWrites:
-    """Layerwise loads' sink: the step's verified blocks (valid while their restores are open) and
-    their device blocks, written layer by layer by `write_layers` once every block is in."""
-
-    blocks: list[torch.Tensor] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-
-    def into(self, spec: LoadSpec) -> "_SpecWrites":
-        return _SpecWrites(self, spec.block_ids)
-
-    def write_layers(self, views: list[torch.Tensor], copies: "DeviceCopies", ready: list[threading.Event]) -> None:
-        index = torch.tensor(self.block_ids, dtype=torch.long)
-        for layer, event in enumerate(ready):  # layer 0 is ready after 1/L of the copy
-            if self.blocks:  # n x [L, 2, H, T, D]: one layer gathered, then one index_put (CUDA: side stream)
-                copies.copy_in(views[layer], index, [block[layer] for block in self.blocks], layer)
-            event.set()
-
-
-@dataclass(slots=True)
-class _SpecWrites:
-    step: _LayerWrites
-    block_ids: list[int]
-
-    def write(self, index: int, block: torch.Tensor) -> None:
-        self.step.blocks.append(block)
-        self.step.block_ids.append(self.block_ids[index])
 
 
 @dataclass(slots=True)
@@ -190,15 +164,16 @@ class WorkerSide:
 
     def _load_layers(self, loads: list[LoadSpec], state: _LayerwiseLoad) -> None:
         start = time.perf_counter()
-        writes = _LayerWrites()
         tiers: list[list[str]] = [[] for _ in loads]
         try:
-            with ExitStack() as restores:  # every block verified (and kept leased) before any is written
-                for n, spec in enumerate(loads):
-                    tiers[n] = restores.enter_context(self.mover.restoring(self._located(spec), writes.into(spec))).tiers
-                writes.write_layers(self._views, self._copies, state.ready)
+            matches = [self._located(spec) for spec in loads]
+            with restoring_layers(self.manager, self.codec, self.layout, matches) as restore:
+                for step in restore:  # layer l of each load's prefix, every slice proven
+                    self._write_layer(loads, step)
+                    state.ready[step.layer].set()
+                tiers = [restored.tiers for restored in restore.restored]
         except Exception:  # noqa: BLE001 - recomputed, as any failed load
-            log.exception("kvtier: layerwise load of %d blocks failed; recomputing", len(writes.blocks))
+            log.exception("kvtier: layerwise load of %d blocks failed; recomputing", sum(len(s.keys) for s in loads))
             tiers = [[] for _ in loads]
         finally:
             for ready in state.ready:
@@ -210,6 +185,14 @@ class WorkerSide:
                 with self._lock:
                     self._invalid_block_ids.update(failed)
                     self._failed_req_ids.add(spec.req_id)
+
+    def _write_layer(self, loads: list[LoadSpec], step) -> None:
+        """Layer `step.layer` of every load's prefix into its device blocks: one index_put (CUDA: side stream)."""
+        block_ids = [spec.block_ids[j] for spec, blocks in zip(loads, step.blocks) for j in range(len(blocks))]
+        if block_ids:
+            index = torch.tensor(block_ids, dtype=torch.long)
+            self._copies.copy_in(self._views[step.layer], index, [kv for blocks in step.blocks for kv in blocks],
+                                 step.layer)
 
     def wait_layer(self, layer_name: str) -> None:
         state, layer = self._layerwise, self._layer_of.get(layer_name)
