@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from kvtier.integrations.vllm.cpus import omp_env_cpus, transfer_cpus
+from kvtier.integrations.vllm.cpus import omp_env_cpus, partitioned_by_operator, transfer_cpus
 
 
 def test_transfer_cpus_prefers_the_cores_vllm_reserved():
@@ -25,6 +25,15 @@ def test_transfer_cpus_prefers_the_cores_vllm_reserved():
 def test_transfer_cpus_without_reserved_cores_is_any_core():
     # 2 cores, vLLM reserved none (it wants 2 with a connector): the kernel places the threads
     assert transfer_cpus({0, 1}, {0, 1}) == {0, 1}
+
+
+def test_transfer_cpus_on_cores_the_operator_partitioned_stay_on_the_worker_s_own():
+    # 2 replicas on a 2-core box, VLLM_CPU_OMP_THREADS_BIND=0 and =1: core 1 is the other replica's forward
+    assert transfer_cpus({0, 1}, {0}, partitioned=True) == {0}
+    assert transfer_cpus({0, 1}, {0}) == {1}  # vLLM's own binding: the core it left is spare
+    assert [partitioned_by_operator({"VLLM_CPU_OMP_THREADS_BIND": v}) for v in ("0", "0-3|4-7", "auto", "nobind")] \
+        == [True, True, False, False]
+    assert not partitioned_by_operator({})
 
 
 @pytest.mark.parametrize("env, cpus", [

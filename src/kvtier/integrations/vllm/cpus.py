@@ -16,6 +16,13 @@ the master waits for a layerwise load, say). Pinning them to the cores beside th
 measured slower (docs/benchmarks/vllm.md): a layerwise load then shared a core with a spinning OpenMP
 thread while the master's core sat idle. Threads they start inherit the placement.
 
+Except where the operator partitioned the machine (`VLLM_CPU_OMP_THREADS_BIND` set to a core list, e.g. two
+replicas on one core each): the cores outside this worker's list are another server's, not spare ones. The
+connector's threads then run on the forward's own cores (a layerwise load runs while the master waits for
+it). Measured with `kvtier bench route` (2 replicas, one core each): with each replica's loads and saves on
+the other replica's core, beside its spinning forward, a 1.5 MB block took 18-82 ms to load from `shm:`
+and 47-200 ms to write, so the next turn often found its prefix not yet written (a miss, recomputed).
+
 One more trap: with `OMP_PROC_BIND=true`, a thread's first torch op that opens an OpenMP parallel
 region binds that thread to the first place (the master's core) and starts a team beside it. The
 threads that run torch copies (loads, saves) call `run_torch_here(cpus)` first: their own parallel
@@ -36,10 +43,19 @@ from kvtier import openmp
 log = logging.getLogger("vllm.kvtier")
 
 
-def transfer_cpus(allowed: set[int], forward: set[int]) -> set[int]:
+def transfer_cpus(allowed: set[int], forward: set[int], *, partitioned: bool = False) -> set[int]:
     """The CPUs for the connector's threads. `allowed`: the CPUs the process may use; `forward`: every
-    CPU an OpenMP thread of the forward is bound to."""
+    CPU an OpenMP thread of the forward is bound to; `partitioned`: the operator gave this worker its
+    cores (`VLLM_CPU_OMP_THREADS_BIND` a list): those outside `forward` are others' work."""
+    if partitioned:
+        return (allowed & forward) or set(allowed)
     return (allowed - forward) or set(allowed)
+
+
+def partitioned_by_operator(env: dict[str, str]) -> bool:
+    """`VLLM_CPU_OMP_THREADS_BIND` names cores (`0`, `0-3`, `0-3|4-7` per rank) rather than letting vLLM
+    choose (`auto`, its default) or leaving the threads unbound (`nobind`, `all`)."""
+    return env.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip() not in ("", "auto", "all", "nobind")
 
 
 def _allowed_cpus() -> set[int]:
@@ -71,8 +87,9 @@ def current_transfer_cpus() -> set[int] | None:
     allowed, main = _allowed_cpus(), os.sched_getaffinity(0)
     if main >= allowed:
         return None  # the calling thread is not bound: its threads may run anywhere already
-    forward = main | omp_env_cpus(dict(os.environ))  # vLLM writes the binding it made into our environment
-    return transfer_cpus(allowed, forward)
+    env = dict(os.environ)
+    forward = main | omp_env_cpus(env)  # vLLM writes the binding it made into our environment
+    return transfer_cpus(allowed, forward, partitioned=partitioned_by_operator(env))
 
 
 @contextmanager
