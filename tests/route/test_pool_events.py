@@ -105,7 +105,44 @@ def test_kvtier_route_shared_pool_points_the_selector_at_the_relay(tmp_path):
     try:
         assert [r.kv_events_endpoint for r in router.replicas.replicas] == router.pool_relay.endpoints
         assert router.pool_relay.sources == sources
-        assert all(r.kv_events_replay_endpoint is None for r in router.replicas.replicas)  # the relay numbers anew
+        # the relay numbers its streams anew and answers their replay requests itself
+        assert [r.kv_events_replay_endpoint for r in router.replicas.replicas] == router.pool_relay.replay_endpoints
     finally:
         asyncio.run(router.close())
     assert not router.pool_relay._thread.is_alive()
+
+
+def test_a_selector_that_missed_relayed_batches_gets_them_back_by_number(tmp_path):
+    """vLLM's replay protocol on the relay's own numbering: a request for the batches from seq 1 on gets
+    replica b's stream as relayed (its own batch 0, then a's shared blocks as batch 1), then the end mark."""
+    import zmq
+
+    a, b = EventPublisher(f"ipc://{tmp_path}/a.sock"), EventPublisher(f"ipc://{tmp_path}/b.sock")
+    relay = PoolEventRelay([a.endpoint, b.endpoint], tmp_path / "relay").start()
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(relay.endpoints[1])
+        time.sleep(0.5)  # the relay's and this subscription join (ZMQ drops what is published before)
+        b.publish(_stored([7], "GPU"))
+        time.sleep(0.3)
+        a.publish(_stored([1, 2], "SHARED"))
+        live = [sub.recv_multipart() for _ in range(2)]  # what the selector would have read
+        sub.close(0)
+        dealer.connect(relay.replay_endpoints[1])
+        dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            _, topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            replayed.append((topic, seq, payload))
+    finally:
+        dealer.close(0)
+        relay.close()
+        a.sock.close(0)
+        b.sock.close(0)
+    assert [int.from_bytes(f[1], "big") for f in live] == [0, 1]
+    assert replayed == [tuple(live[1])]
+    assert [e["block_hashes"] for e in msgpack.unpackb(replayed[0][2], raw=False)[1]] == [[1], [2]]

@@ -82,6 +82,32 @@ def _is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class ReplayBuffer:
+    """The last `size` batches of a stream (seq, payload) and vLLM's replay protocol over them: a request
+    (client id, b"", start seq as 8 bytes) on a ROUTER socket is answered with every buffered batch from that
+    seq on, each (client, b"", topic, seq, payload), then (client, b"", b"", seq -1, b"")."""
+
+    def __init__(self, size: int, topic: bytes = b"") -> None:
+        self._batches: deque[tuple[int, bytes, bytes]] = deque(maxlen=size)
+        self._topic = topic
+
+    def append(self, seq: int, payload: bytes, topic: bytes | None = None) -> None:
+        self._batches.append((seq, self._topic if topic is None else topic, payload))
+
+    def serve(self, sock) -> None:
+        """Answer the one request waiting on `sock` (a ROUTER socket the caller polled)."""
+        frames = sock.recv_multipart()
+        if len(frames) != 3:
+            log.warning("invalid KV events replay request: %s", frames)
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, topic, payload in list(self._batches):
+            if seq >= start_seq:
+                sock.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        sock.send_multipart((client, b"", b"", END_SEQ, b""))
+
+
 class KvEventPublisher:
     def __init__(self, config: KvEventsConfig, collect: Callable[[], list[dict[str, Any]]], *,
                  data_parallel_rank: int = 0, interval_s: float = INTERVAL_S) -> None:
@@ -101,7 +127,7 @@ class KvEventPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ConfigError(f"--kv-events-config: cannot open {config.endpoint}: {exc}") from None
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._buffer = ReplayBuffer(config.buffer_steps, self._topic)
         self.num_batches = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -145,20 +171,11 @@ class KvEventPublisher:
     def _send(self, events: list[dict[str, Any]]) -> None:
         seq, payload = self.num_batches, encode_batch(time.time(), events, self._rank)
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-        self._buffer.append((seq, payload))
+        self._buffer.append(seq, payload)
         self.num_batches += 1
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            log.warning("invalid KV events replay request: %s", frames)
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        self._buffer.serve(self._replay)
 
     def close(self) -> None:
         """Send what is left, stop the thread, close the sockets."""

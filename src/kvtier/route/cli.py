@@ -28,7 +28,7 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
         from kvtier.route.pool_events import PoolEventRelay
 
         relay = PoolEventRelay(kv_events).start()
-        kv_events, kv_events_replay = relay.endpoints, []  # the relay numbers its own stream: no replay
+        kv_events, kv_events_replay = relay.endpoints, relay.replay_endpoints  # the relay numbers its own streams
     replicas = [Replica(i + 1, url, kv_events[i] if kv_events else None,
                         kv_events_replay[i] if kv_events_replay else None) for i, url in enumerate(replica_urls)]
     try:

@@ -17,7 +17,8 @@ endpoints instead of the replicas'. A block the pool evicted or lost is announce
 announced it, when that replica finds it gone (a lookup or a load: `tiers/pool.py`): relayed, it is a miss
 for all. Until some replica looks, the index still counts it (the pool says nothing when it evicts), and a
 request routed on it recomputes the block and puts it back. The relay numbers its own batches (from 0, as
-vLLM does) and keeps no replay buffer.
+vLLM does) and answers replay requests for the last `buffer_steps` of each stream at `replay_endpoints[i]`
+(vLLM's protocol: a selector that missed batches asks for them by number).
 """
 
 from __future__ import annotations
@@ -31,9 +32,12 @@ from pathlib import Path
 import msgpack
 import zmq
 
+from kvtier.events.publisher import ReplayBuffer
+
 log = logging.getLogger("kvtier.route")
 
 SHARED_MEDIUMS = ("SHARED",)
+BUFFER_STEPS = 10_000  # batches kept per stream for replay (vLLM's default `buffer_steps`)
 _POLL_MS = 100
 
 
@@ -52,12 +56,15 @@ class PoolEventRelay:
     """Replicas `sources` (their KV event endpoints, in order) share one pool; `endpoints[i]` is replica
     i's stream with the others' shared blocks in it."""
 
-    def __init__(self, sources: list[str], run_dir: str | Path | None = None) -> None:
+    def __init__(self, sources: list[str], run_dir: str | Path | None = None, *,
+                 buffer_steps: int = BUFFER_STEPS) -> None:
         self.sources = list(sources)
         self._own_dir = run_dir is None  # a temporary directory of its own, removed at close
         self._dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="kvtier-route-pool-"))
         self._dir.mkdir(parents=True, exist_ok=True)
         self.endpoints = [f"ipc://{self._dir}/replica-{i + 1}.sock" for i in range(len(sources))]
+        self.replay_endpoints = [f"ipc://{self._dir}/replica-{i + 1}-replay.sock" for i in range(len(sources))]
+        self._buffers = [ReplayBuffer(buffer_steps) for _ in sources]
         self.num_relayed = 0  # shared batches copied into another replica's stream
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -80,9 +87,9 @@ class PoolEventRelay:
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()
-        subs, pubs = [], []
+        subs, pubs, replays = [], [], []
         try:
-            for source, endpoint in zip(self.sources, self.endpoints):
+            for source, endpoint, replay_endpoint in zip(self.sources, self.endpoints, self.replay_endpoints):
                 sub = ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 sub.setsockopt(zmq.LINGER, 0)
@@ -90,8 +97,12 @@ class PoolEventRelay:
                 pub = ctx.socket(zmq.PUB)
                 pub.setsockopt(zmq.LINGER, 0)
                 pub.bind(endpoint)
+                replay = ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                replay.bind(replay_endpoint)
                 subs.append(sub)
                 pubs.append(pub)
+                replays.append(replay)
         except BaseException as exc:  # noqa: BLE001 - start() raises it
             self._error = exc
         self._ready.set()
@@ -99,14 +110,18 @@ class PoolEventRelay:
 
         def send(i: int, topic: bytes, payload: bytes) -> None:
             pubs[i].send_multipart((topic, seqs[i].to_bytes(8, "big"), payload))
+            self._buffers[i].append(seqs[i], payload, topic)
             seqs[i] += 1
 
         poller = zmq.Poller()
-        for sub in subs:
-            poller.register(sub, zmq.POLLIN)
+        for sock in subs + replays:
+            poller.register(sock, zmq.POLLIN)
         try:
             while self._error is None and not self._stop.is_set():
                 for sock, _ in poller.poll(_POLL_MS):
+                    if sock in replays:
+                        self._buffers[replays.index(sock)].serve(sock)
+                        continue
                     i = subs.index(sock)
                     topic, _, payload = sock.recv_multipart()
                     send(i, topic, payload)
@@ -122,5 +137,5 @@ class PoolEventRelay:
                             send(j, topic, shared)
                             self.num_relayed += 1
         finally:
-            for sock in subs + pubs:
+            for sock in subs + pubs + replays:
                 sock.close(0)
