@@ -431,13 +431,13 @@ class DiskTier:
 
     def lease_layers(self, keys: list[bytes]) -> list[RangedRead | None]:
         """`lease_many` in pieces, for a reader that takes a block layer by layer: each file's head (its
-        header and layer 0) is read before this returns, the layer table and the other layers are on
-        their way — piece n of every file before piece n + 1 of any (`RangedRead.wait` for a byte range).
+        header and layer 0) and layer table are read before this returns, the other layers are on their
+        way — piece n of every file before piece n + 1 of any (`RangedRead.wait` for a byte range).
         Nothing is verified here (the manager does, slice by slice); buffers leased until `release`."""
         start = time.perf_counter()
         readers = self._reader_pool()
         reads = list(readers.map(self._read_head, [self._path(key) for key in keys]))
-        plans = [plan_pieces(r.size, r.view()[:HEAD_BYTES]) if r is not None else [] for r in reads]
+        plans = [read.rest if read is not None else [] for read in reads]
         for n in range(max(map(len, plans), default=0)):
             for read, plan in zip(reads, plans):
                 if n < len(plan):
@@ -452,7 +452,9 @@ class DiskTier:
         return reads
 
     def _read_head(self, path: Path) -> RangedRead | None:
-        """The file opened, a buffer for all of it taken, and its first `HEAD_BYTES` read; None: unreadable."""
+        """The file opened, a buffer for all of it taken, its first `HEAD_BYTES` read and then the piece with
+        its last bytes (a layered block's table; any other file: all the rest), the other pieces left in
+        `read.rest`; None: unreadable."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
@@ -462,6 +464,10 @@ class DiskTier:
             size = os.fstat(fd).st_size
             read = RangedRead(fd, self._buffers.take(size), size, lambda: self._open_device(path))
             read.read(0, min(size, HEAD_BYTES))
+            pieces = plan_pieces(size, read.view()[:HEAD_BYTES])
+            if pieces:  # the table (or the rest) first: a reader proves layer 0 with it
+                read.read(*pieces[0])
+            read.rest = pieces[1:]
             return read
         except OSError:
             if read is not None:

@@ -67,7 +67,8 @@ class RangedRead:
         self.fd = fd
         self.buf = buf
         self.size = size
-        self.pieces: list[tuple[int, int, Future]] = []  # (start, stop, its read), after the head
+        self.pieces: list[tuple[int, int, Future]] = []  # (start, stop, its read) on the readers
+        self.rest: list[tuple[int, int]] = []  # the pieces still to submit (`DiskTier.lease_layers`)
         self.failed = False
         self._open_device = open_device
         self._device: tuple[int, bool] | None = None  # (fd, O_DIRECT)
@@ -117,7 +118,8 @@ class RangedRead:
             self.pieces.append((start, stop, readers.submit(self.read, start, stop)))
 
     def wait(self, stop: int) -> bool:
-        """Every piece holding bytes before `stop`, and the file's last bytes (a layer table), has landed."""
+        """Every piece holding bytes before `stop`, and the file's last bytes (a layer table), has landed
+        (those read before the pieces were submitted — the head, the table — are in already)."""
         for start, end, future in self.pieces:
             if start < stop or end == self.size:
                 try:
