@@ -223,8 +223,10 @@ def test_two_tenants_blocks_are_apart_in_the_events_and_the_index(replica, promp
     replica["tenants"] = (chain_a, chain_b)
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1 keys its index by token ids and LoRA, not by vLLM's extra_keys: "
-                                       "two tenants' identical blocks become one entry (vLLM's own device events too)")
+@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1 keys a block under a tenant by the event's `cache_salt` field, "
+                                       "which vLLM's own device events do not carry (the salt is in extra_keys): "
+                                       "two tenants' identical blocks become one entry (kvtier serve's events carry "
+                                       "it)")
 def test_dynamo_keeps_two_tenants_blocks_apart(replica):
     chain_a, chain_b = replica["tenants"]
     disk = _tiers_holding(replica, chain_a + chain_b).get("disk", set())

@@ -3,6 +3,7 @@ replicas retried elsewhere with back-off, the selector down, a malformed body, /
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -66,6 +67,23 @@ def test_least_loaded_sends_to_the_replica_with_the_fewest_in_flight():
         # nothing in flight: the one sent fewer requests (a: 1, b: 2), a tie to the first
         assert _answered_by(url, 4) == ["a", "a", "b", "a"]
         assert [r.num_in_flight for r in router.replicas.replicas] == [0, 0]
+
+
+def test_dynamo_selects_a_tenant_s_request_under_its_cache_salt():
+    """A request's `cache_salt` goes into the selection (Dynamo matches a tenant's blocks under its salt
+    only); a request without one selects unsalted; the body reaches the replica as it came."""
+    stubs = [StubReplica("a"), StubReplica("b")]
+    selector = StubSelector(picks=[1, 2])
+    salted = {"model": "smollm2", "prompt": "hello", "cache_salt": "tenant-a"}
+    with running(*stubs, selector) as (url_a, url_b, selector_url), \
+            router_over([url_a, url_b], "dynamo", tokenizer=ByteTokenizer(), selector_url=selector_url,
+                        kv_events=["ipc:///tmp/a.sock", "ipc:///tmp/b.sock"]) as (url, _):
+        assert _post(url, salted).json()["replica"] == "a"
+        assert _post(url, {"model": "smollm2", "prompt": "hello"}).json()["replica"] == "b"
+    selects = [b for (m, p), b in zip(selector.calls, selector.bodies) if p == "/select"]
+    assert selects[0]["cache_salt"] == "tenant-a" and "cache_salt" not in selects[1]
+    assert selects[0]["token_ids"] == selects[1]["token_ids"] == list(b"hello")
+    assert json.loads(stubs[0].bodies[0]) == salted
 
 
 def test_dynamo_sends_where_the_selector_says_and_books_the_load_there():

@@ -121,3 +121,38 @@ def test_the_selector_s_prefill_load_scale_keeps_a_cached_turn_on_its_busier_rep
     assert _choice_of_a_cached_turn_beside_running_requests(tmp_path / "s1", None) == 2
     scaled = {"DYN_ROUTER_PREFILL_LOAD_SCALE": "4"}
     assert _choice_of_a_cached_turn_beside_running_requests(tmp_path / "s4", scaled) == 1
+
+
+def test_the_real_selector_matches_a_tenant_s_blocks_under_its_cache_salt_only(tmp_path):
+    """Blocks announced with `cache_salt` (as kvtier serve's events carry it) are a match for a selection
+    with that salt, and for none without it or with another (`DynamoSelector.choose(..., cache_salt=)`)."""
+    block, tokens = 4, list(range(100, 116))
+    a, b = EventPublisher(f"ipc://{tmp_path}/a.sock"), EventPublisher(f"ipc://{tmp_path}/b.sock")
+    replicas = [Replica(1, "http://a", a.endpoint), Replica(2, "http://b", b.endpoint)]
+    try:
+        with DynamoSelectService(tmp_path / "select.log") as service:
+            selector = DynamoSelector(service.url, replicas, model_name="m", block_size=block)
+
+            async def matched(salt: str | None) -> dict:
+                choice = await selector.choose(tokens + [1], replicas, cache_salt=salt)
+                await selector.finished(choice)
+                return {"replica": choice.replica.replica_id, "gpu": choice.matched_tokens["gpu"]}
+
+            async def scenario() -> list[dict]:
+                await selector.register()
+                await asyncio.sleep(1.0)  # the subscriptions join (ZMQ drops what is published before)
+                a.publish([dict(e, cache_salt="tenant-a") for e in stored_chain(tokens, 1, block, "GPU")])
+                for _ in range(50):
+                    if (await matched("tenant-a"))["gpu"]:
+                        break
+                    await asyncio.sleep(0.2)
+                out = [await matched(salt) for salt in ("tenant-a", None, "tenant-b")]
+                await selector.close()
+                return out
+
+            found = asyncio.run(scenario())
+    finally:
+        a.sock.close(0)
+        b.sock.close(0)
+    assert found[0] == {"replica": 1, "gpu": 16}
+    assert found[1]["gpu"] == 0 and found[2]["gpu"] == 0

@@ -40,15 +40,17 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * BLOCK * 4  # the tiny Llama: K and V, 2 layers, 2
 _VLLM_CHECK = """import json, sys
 import msgspec
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-ours = bytes.fromhex(sys.stdin.read())
+ours, salted = (bytes.fromhex(line) for line in sys.stdin.read().split())
 batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(ours)
+salted_batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(salted)  # a field vLLM does not know: skipped
 theirs = KVEventBatch(ts=1765000000.25, data_parallel_rank=0, events=[
     BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=list(range(16)), block_size=8,
                 lora_id=None, medium="GPU", lora_name=None, extra_keys=[("tenant-a",), None]),
     BlockStored(block_hashes=[9], parent_block_hash=7, token_ids=[3] * 8, block_size=8, lora_id=None,
                 medium="STORAGE", lora_name=None),
     BlockRemoved(block_hashes=[7, 9], medium="CPU"), AllBlocksCleared()])
-print(json.dumps({"same": msgspec.msgpack.Encoder().encode(theirs) == ours, "decoded": repr(batch)}))
+print(json.dumps({"same": msgspec.msgpack.Encoder().encode(theirs) == ours, "decoded": repr(batch),
+                  "salted": repr(salted_batch)}))
 """
 
 
@@ -59,10 +61,16 @@ def test_a_batch_is_byte_for_byte_what_vllm_s_publisher_sends():
         wire.block_stored([2**64 - 1, 7], None, list(range(16)), 8, "GPU", extra_keys=[("tenant-a",), None]),
         wire.block_stored([9], 7, [3] * 8, 8, "STORAGE"),
         wire.block_removed([7, 9], "CPU"), wire.all_blocks_cleared()])
-    out = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_CHECK], input=ours.hex(), capture_output=True, text=True,
-                         timeout=120, check=True)
+    # kvtier serve's salted block: vLLM's fields plus `cache_salt` (what NVIDIA Dynamo's index reads)
+    salted_event = wire.block_stored([5], None, [1] * 8, 8, "GPU", extra_keys=[("tenant-a",)], cache_salt="tenant-a")
+    assert salted_event["cache_salt"] == "tenant-a"
+    assert "cache_salt" not in wire.block_stored([5], None, [1] * 8, 8, "GPU")
+    salted = wire.encode_batch(1765000000.25, [salted_event])
+    out = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_CHECK], input=f"{ours.hex()}\n{salted.hex()}",
+                         capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["same"], result["decoded"]
+    assert "block_hashes=[5]" in result["salted"] and "extra_keys=[('tenant-a',)]" in result["salted"]
     assert "extra_keys=[('tenant-a',), None]" in result["decoded"] and "medium='STORAGE'" in result["decoded"]
 
 

@@ -140,10 +140,12 @@ def test_another_tenant_s_query_never_matches_a_tenant_s_blocks(replica):
     assert _query(replica, ids, cache_salt="tenant-b") == {}
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1's indexer keys the blocks of vLLM's (and kvtier's) events by "
-                                       "token ids and LoRA, not by extra_keys: a tenant's blocks are indexed unsalted, "
-                                       "so a query without the salt matches them and one with it matches nothing")
 def test_dynamo_matches_a_tenant_s_blocks_under_its_salt_only(replica):
-    ids = list(PROMPTS[5].encode())
-    assert _query(replica, ids, cache_salt="tenant-a").get("gpu") == _full(ids)
+    """kvtier serve's events carry each salted block's `cache_salt` (a field Dynamo's indexer reads; vLLM's
+    own events put the salt in `extra_keys`, which it ignores): tenant a's query matches its blocks, a query
+    without the salt or with another matches none."""
+    ids = _complete(replica, PROMPTS[5], cache_salt="tenant-a")
+    wait_for(lambda: _query(replica, ids, cache_salt="tenant-a"), lambda q: q.get("gpu") == _full(ids),
+             "tenant a's blocks under its salt")
     assert _query(replica, ids) == {}
+    assert _query(replica, ids, cache_salt="tenant-b") == {}

@@ -44,6 +44,7 @@ class BlockInfo:
     lora_id: int | None = None
     lora_name: str | None = None
     extra_keys: tuple | None = None    # vLLM's event form: the cache_salt on a first block, LoRA, mm hashes
+    cache_salt: str | None = None      # the tenant, on every block (NVIDIA Dynamo's indexer reads this field)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ struct `[ts, events, data_parallel_rank]`, each event a map tagged `type` (`Bloc
 `AllBlocksCleared`) with its fields in declaration order, the ones without a default always present (None
 as nil) and the defaulted ones (`extra_keys`, `group_idx`, ...) omitted while at their default. This module
 writes the same bytes with `msgpack` (tested against vLLM's own decoder in `.venv-vllm`).
+
+One addition vLLM does not send: `cache_salt` on each block of a salted request. NVIDIA Dynamo's indexer (1.6.1)
+reads that field and keys the block under the tenant (a query or selection with the same `cache_salt` matches
+it, one without or with another does not); it ignores the salt vLLM puts in `extra_keys`. vLLM's decoder
+ignores a field it does not know. Unsalted blocks carry no such field: their bytes stay vLLM's.
 """
 
 from __future__ import annotations
@@ -27,14 +32,17 @@ def block_hash(key: bytes) -> int:
 
 def block_stored(block_hashes: list[BlockHash], parent_block_hash: BlockHash | None, token_ids: list[int],
                  block_size: int, medium: str | None, *, lora_id: int | None = None, lora_name: str | None = None,
-                 extra_keys: list[tuple | None] | None = None) -> dict[str, Any]:
+                 extra_keys: list[tuple | None] | None = None, cache_salt: str | None = None) -> dict[str, Any]:
     """vLLM's `BlockStored`: `token_ids` of every block in `block_hashes`, in order; `extra_keys` one entry per
-    block (the cache_salt on a prompt's first block, as `(salt,)`), or None."""
+    block (the cache_salt on a prompt's first block, as `(salt,)`), or None; `cache_salt`: the blocks' tenant,
+    for Dynamo's index (see the module's docstring)."""
     event = {"type": "BlockStored", "block_hashes": list(block_hashes), "parent_block_hash": parent_block_hash,
              "token_ids": list(token_ids), "block_size": block_size, "lora_id": lora_id, "medium": medium,
              "lora_name": lora_name}
     if extra_keys is not None:
         event["extra_keys"] = [list(keys) if keys is not None else None for keys in extra_keys]
+    if cache_salt:
+        event["cache_salt"] = cache_salt
     return event
 
 

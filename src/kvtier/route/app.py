@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.route.metrics import RouteMetrics
-from kvtier.route.prompts import prompt_token_ids
+from kvtier.route.prompts import prompt_token_ids, request_cache_salt
 from kvtier.route.replicas import Replica, ReplicaSet
 from kvtier.route.selectors import Choice, LeastLoaded, Selector, SelectorError
 
@@ -56,10 +56,11 @@ class Router:
         if self.pool_relay is not None:
             self.pool_relay.close()
 
-    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> tuple[Choice, str]:
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
+                     cache_salt: str | None = None) -> tuple[Choice, str]:
         """The selector's choice and its policy; least-loaded's while the selector does not answer."""
         try:
-            choice = await self.selector.choose(token_ids, candidates)
+            choice = await self.selector.choose(token_ids, candidates, cache_salt=cache_salt)
         except SelectorError as exc:
             if not self.selector_down:  # once per outage
                 log.warning("kvtier route: the %s selector is unavailable (%s); least-loaded chooses until it "
@@ -90,14 +91,14 @@ class Router:
 
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
-        token_ids = await self._token_ids(path, body)
+        token_ids, salt = await self._routing_key(path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         headers["accept-encoding"] = "identity"  # bytes pass through as they come, never re-encoded
         upstream_request = (request.method, path, request.query_params, headers, body)
         tried: set[int] = set()
         last_failure: Response | None = None
         while candidates := self.replicas.available(exclude=tried):
-            choice, policy = await self.choose(token_ids, candidates)
+            choice, policy = await self.choose(token_ids, candidates, cache_salt=salt)
             tried.add(choice.replica.replica_id)
             reply, failure = await self._send(upstream_request, choice, policy)
             if reply is not None:
@@ -108,14 +109,16 @@ class Router:
         return JSONResponse({"error": {"message": "kvtier route: no replica is in service (all taken out)",
                                        "type": "service_unavailable", "code": 503}}, status_code=503)
 
-    async def _token_ids(self, path: str, body: bytes) -> list[int] | None:
-        """Once per request, retries included; off the event loop (a long prompt takes a while)."""
+    async def _routing_key(self, path: str, body: bytes) -> tuple[list[int] | None, str | None]:
+        """(the prompt's token ids, its cache_salt): once per request, retries included; off the event loop
+        (a long prompt takes a while)."""
         if path not in _GENERATION_PATHS or self.tokenizer is None:
-            return None
+            return None, None
         try:
-            return await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, json.loads(body))
+            request = json.loads(body)
         except ValueError:  # not JSON: the replica says so
-            return None
+            return None, None
+        return await asyncio.to_thread(prompt_token_ids, self.tokenizer, path, request), request_cache_salt(request)
 
     async def _send(self, upstream_request: tuple, choice: Choice, policy: str) -> tuple[Response | None,
                                                                                           Response | None]:

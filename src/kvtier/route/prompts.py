@@ -60,3 +60,10 @@ def prompt_token_ids(tokenizer, path: str, body) -> list[int] | None:
     except Exception:  # noqa: BLE001 — a body the replica will refuse, or a template that rejects it
         return None
     return None
+
+
+def request_cache_salt(body) -> str | None:
+    """The tenant a request names (`cache_salt`, vLLM's and kvtier serve's field), None when it names none or
+    the body is not a request the replica will take (it answers that itself)."""
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None

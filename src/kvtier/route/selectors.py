@@ -49,7 +49,8 @@ class Selector(Protocol):
 
     async def start(self) -> None: ...
 
-    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice: ...
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
+                     cache_salt: str | None = None) -> Choice: ...
 
     async def first_bytes(self, choice: Choice) -> None: ...
 
@@ -81,7 +82,8 @@ class RoundRobin(_Stateless):
         self._cycle = itertools.cycle(replicas)
         self._num_replicas = len(replicas)
 
-    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice:
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
+                     cache_salt: str | None = None) -> Choice:
         wanted = {r.replica_id for r in candidates}
         for replica in itertools.islice(self._cycle, self._num_replicas):
             if replica.replica_id in wanted:
@@ -95,7 +97,8 @@ class LeastLoaded(_Stateless):
 
     policy = "least-loaded"
 
-    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice:
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
+                     cache_salt: str | None = None) -> Choice:
         return Choice(min(candidates, key=lambda r: (r.num_in_flight, r.num_requests, r.replica_id)))
 
 
@@ -146,15 +149,18 @@ class DynamoSelector:
         except SelectorError as exc:
             log.warning("kvtier route: the dynamo selector did not take the replicas yet (%s)", exc)
 
-    async def choose(self, token_ids: list[int] | None, candidates: list[Replica]) -> Choice:
+    async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
+                     cache_salt: str | None = None) -> Choice:
         if not token_ids:  # nothing to match: load alone decides
             return await self._by_load(candidates)
         if not self._registered:
             await self.register()
         selection_id = uuid.uuid4().hex
         async with self._booking:
-            picked = await self._call("POST", "/select", {"model_name": self.model_name, "token_ids": token_ids,
-                                                          "selection_id": selection_id})
+            query = {"model_name": self.model_name, "token_ids": token_ids, "selection_id": selection_id}
+            if cache_salt is not None:  # a tenant's blocks match under its salt only (the replicas' events name it)
+                query["cache_salt"] = cache_salt
+            picked = await self._call("POST", "/select", query)
             overlap = picked.get("overlap") or {}
             matched = {tier: int(overlap.get(tier) or 0) for tier in ("gpu", "cpu", "disk")}
             by_id = {r.replica_id: r for r in candidates}

@@ -67,7 +67,7 @@ def block_info(block_hash: int, origin: BlockOrigin) -> BlockInfo:
     parent = wire.block_hash(origin.parent) if origin.parent is not None else None
     salted = origin.parent is None and origin.namespace
     return BlockInfo(block_hash=block_hash, parent_hash=parent, token_ids=origin.token_ids,
-                     extra_keys=(origin.namespace,) if salted else None)
+                     extra_keys=(origin.namespace,) if salted else None, cache_salt=origin.namespace or None)
 
 
 def to_wire(record, block_tokens: int) -> dict[str, Any]:
@@ -75,7 +75,8 @@ def to_wire(record, block_tokens: int) -> dict[str, Any]:
         info = record.block
         return wire.block_stored([info.block_hash], info.parent_hash, list(info.token_ids), block_tokens,
                                  record.medium, lora_id=info.lora_id, lora_name=info.lora_name,
-                                 extra_keys=[info.extra_keys] if info.extra_keys is not None else None)
+                                 extra_keys=[info.extra_keys] if info.extra_keys is not None else None,
+                                 cache_salt=info.cache_salt)
     return wire.block_removed(list(record.block_hashes), record.medium)
 
 
