@@ -34,6 +34,17 @@ def test_a_file_that_is_not_a_layered_block_is_read_whole_after_its_head():
     assert plan_pieces(100, b"x" * 100) == []
 
 
+def test_a_forged_header_cannot_make_the_plan_loop_or_overlap():
+    """A header whose sizes agree with its file but whose layers are empty (payload < layers): one piece."""
+    from kvtier.codecs import header
+
+    num_layers, payload = 70_000, 69_999
+    fields = header._FIELDS.pack(header.MAGIC, header.VERSION, 1, header.FLAG_LAYERS, 1, 0, 0, num_layers, 2, 1, 1,
+                                 1, 0, payload, 0)
+    size = 64 + payload + 8 * num_layers
+    assert plan_pieces(size, fields + bytes(8)) == [(HEAD_BYTES, size)]
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_lease_layers_reads_every_byte_of_each_file_and_releases_its_buffers(tmp_path, monkeypatch, cached):
     """From the page cache (RWF_NOWAIT) or the device (O_DIRECT where the file system has it): the same

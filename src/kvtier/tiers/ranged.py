@@ -44,12 +44,14 @@ def plan_pieces(size: int, head: bytes | memoryview) -> list[tuple[int, int]]:
         return [(first, size)] if first < size else []  # `verify` decides what it is
     payload_bytes, num_layers = geometry
     layer_bytes = payload_bytes // num_layers
+    if not layer_bytes:  # not a block any codec writes (`verify` refuses it): read whole, in one piece
+        return [(first, size)] if first < size else []
     tail = max(first, _down(HEADER_BYTES + payload_bytes))
     pieces = [(tail, size)] if tail < size else []
     covered, layers, group = first, max(0, (first - HEADER_BYTES) // layer_bytes), 1
     while covered < tail:  # 1, 2, 4, ... layers a piece
         layers = min(num_layers, layers + group)
-        stop = min(tail, _up(HEADER_BYTES + layers * layer_bytes))
+        stop = tail if layers == num_layers else min(tail, _up(HEADER_BYTES + layers * layer_bytes))
         if stop > covered:
             pieces.append((covered, stop))
             covered = stop
