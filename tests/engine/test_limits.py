@@ -52,7 +52,7 @@ REFUSALS = [
         [{"tiers": ["dram:4MiB"]}], None, id="offload-without-dram"),
     pytest.param(
         {"tiers": ["dram:64KiB"]},
-        "tier dram:64KiB holds no block (a slot is 131,136 B): dram:129KiB works",
+        "tier dram:64KiB holds no block (a slot is 131,152 B): dram:129KiB works",  # format 4: +8 B a layer
         [{"tiers": ["dram:129KiB"]}], {"tiers": ["dram:128KiB"]}, id="dram-tier-slot"),
     pytest.param(
         {"kv_offload": "sparse:1/8", "block_tokens": 96, "offload_page_tokens": 64},
