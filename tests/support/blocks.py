@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from kvtier.codecs import header
+from kvtier.blocks import KeySpace, KVLayout, block_keys
+from kvtier.codecs import get_codec, header
+
+# Four raw blocks of a tiny layout, each filled with its index: the tests of what moves blocks (the mover, the
+# host block pool) put and restore these.
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=4)
+KEYS = block_keys(KeySpace("fp", LAYOUT, "raw"), list(range(16)))
+CODEC = get_codec("raw")
+BLOCKS = [torch.full(LAYOUT.block_shape, float(i)) for i in range(4)]
+SLOT = CODEC.max_encoded_bytes(LAYOUT)
 
 
 def v3_block(kv: torch.Tensor, key: bytes, *, version: int = 3) -> bytes:

@@ -8,16 +8,10 @@ import pytest
 import torch
 
 from kvtier.blocks import KeySpace, KVLayout, block_keys
-from kvtier.codecs import get_codec
 from kvtier.tiers import DiskTier, HostTier
 from kvtier.tiers.manager import TierManager
 from kvtier.transfer import BlockMover
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4, block_tokens=4)
-KEYS = block_keys(KeySpace("fp", LAYOUT, "raw"), list(range(16)))  # 4 blocks
-CODEC = get_codec("raw")
-BLOCKS = [torch.full(LAYOUT.block_shape, float(i)) for i in range(4)]
-SLOT = CODEC.max_encoded_bytes(LAYOUT)
+from support.blocks import BLOCKS, CODEC, KEYS, LAYOUT, SLOT
 
 
 @pytest.fixture

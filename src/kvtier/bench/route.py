@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.bench.harness import SYSTEM_PROMPT, SystemResult, TurnClock, Workload, _pct, conversations
+from kvtier.sim.router import dynamo_scale
 
 POLICIES = ("round-robin", "sglang", "dynamo")  # and dynamo:S, Dynamo with prefill_load_scale S
 SETUPS = ("local", "pool")
@@ -44,25 +45,6 @@ REFERENCE = "reference"   # one vLLM replica alone
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M in fp32
 # `kvtier simulate`'s router model for each policy (`sim/router.py`)
 SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "dynamo"}
-
-
-def dynamo_scale(policy: str) -> float | None:
-    """`dynamo` -> 1.0 (the selection service's default), `dynamo:S` -> S, Dynamo's `prefill_load_scale` (its
-    `DYN_ROUTER_PREFILL_LOAD_SCALE`, formerly `--kv-overlap-score-weight`: how much a replica's prefill
-    to do, after its cached prefix's credit, weighs against the blocks of the requests it runs); None for
-    the other policies."""
-    base, _, scale = policy.partition(":")
-    if base != "dynamo":
-        return None
-    try:
-        value = float(scale) if scale else 1.0
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        from kvtier.errors import UserError
-
-        raise UserError(f"{policy!r}: dynamo:S takes Dynamo's prefill_load_scale S, a number > 0")
-    return value
 
 
 def _sim_router(policy: str) -> str:

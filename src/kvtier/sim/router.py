@@ -124,16 +124,30 @@ class Dynamo:
 ROUTERS = {cls.name: cls for cls in (RoundRobin, LeastLoaded, BestPrefixMatch, CacheAware, Dynamo)}
 
 
+def dynamo_scale(name: str) -> float | None:
+    """`dynamo` -> 1.0 (the selection service's default), `dynamo:S` -> S, Dynamo's `prefill_load_scale` (its
+    `DYN_ROUTER_PREFILL_LOAD_SCALE`, formerly `--kv-overlap-score-weight`: how much a replica's prefill to do,
+    after its cached prefix's credit, weighs against the blocks of the requests it runs); None for the other
+    routers."""
+    base, _, scale = name.partition(":")
+    if base != Dynamo.name:
+        return None
+    try:
+        value = float(scale) if scale else 1.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"{name!r}: dynamo:S takes Dynamo's prefill_load_scale S, a number > 0")
+    return value
+
+
 def make_router(name: str) -> RoundRobin | LeastLoaded | BestPrefixMatch | CacheAware | Dynamo:
     aliases = {"rr": "round-robin", "best-prefix-match": "best-prefix", "prefix": "best-prefix", "ll": "least-loaded",
                "sglang": "cache-aware"}
     name = aliases.get(name, name)
-    base, _, scale = name.partition(":")
-    if base == Dynamo.name and scale:  # dynamo:S, Dynamo with prefill_load_scale S
-        try:
-            return Dynamo(float(scale))
-        except ValueError:
-            raise UserError(f"dynamo:S takes a number (Dynamo's prefill_load_scale), not {scale!r}") from None
+    scale = dynamo_scale(name)
+    if scale is not None and name != Dynamo.name:  # dynamo:S, Dynamo with prefill_load_scale S
+        return Dynamo(scale)
     if name not in ROUTERS:
         raise UserError(f"unknown router {name!r} (use {', '.join(ROUTERS)}, or dynamo:S for Dynamo's "
                         "prefill_load_scale S)")
