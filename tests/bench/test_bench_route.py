@@ -100,3 +100,89 @@ def test_rows_compare_every_reply_with_the_reference_and_the_report_renders(tmp_
     assert "| round-robin/local | 4 | 0 | 0 |" in table and "60%" in table and "| yes |" in table
     route.plot({"rows": rows}, str(tmp_path / "route.png"), "t")
     assert (tmp_path / "route.png").stat().st_size > 0
+
+
+def test_tier_blocks_bound_each_replica_s_shm_tier_to_that_many_of_its_blocks(tmp_path):
+    from kvtier.blocks import KVLayout
+    from kvtier.codecs import get_codec
+    from kvtier.tiers.spec import parse_specs
+
+    smollm2 = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", block_tokens=32)
+    block_file = get_codec("raw").max_encoded_bytes(smollm2)  # what the tier's index counts per block
+    assert smollm2.block_bytes == 32 * route.KV_BYTES_PER_TOKEN
+    for n in (1, 40, 120):
+        (spec,) = parse_specs([route.shm_spec(tmp_path, n)])
+        assert spec.kind == "shm" and spec.capacity_bytes // block_file == n
+    (never_full,) = parse_specs([route.shm_spec(tmp_path)])
+    assert never_full.capacity_bytes == 1 << 30
+    replicas = route.Replicas(tmp_path, tmp_path, num_blocks=26, pool_spec="redis://127.0.0.1:1/0", tier_blocks=40)
+    configs = [json.loads(s.argv[s.argv.index("--kv-transfer-config") + 1]) for s in replicas.servers]
+    for config, shm in zip(configs, replicas.shm_dirs):
+        assert config["kv_connector_extra_config"]["tiers"] == [route.shm_spec(shm, 40), "redis://127.0.0.1:1/0"]
+    replicas.__exit__()
+
+
+def test_the_shared_prefix_opens_every_user_s_system_prompt_before_the_passage():
+    stub = ChatStub()
+    preamble = route.shared_prefix("x" * 50 + "the end.", 8)
+    assert preamble == "the end." and route.shared_prefix("abc", 0) == ""
+    with AppThread(stub.app()) as server:
+        route._run_chat(server.url, CONVS, W, "x", preamble=preamble)
+    systems = {b["messages"][0]["content"] for b in stub.bodies}
+    assert systems == {f"{route.SYSTEM_PROMPT}\n\nthe end.\n\npassage one",
+                       f"{route.SYSTEM_PROMPT}\n\nthe end.\n\npassage two"}
+
+
+def test_the_event_counter_counts_each_replica_s_announced_blocks_per_medium():
+    import time
+
+    import msgpack
+    import zmq
+
+    from kvtier.ports import free_port
+
+    class Publisher:  # a replica's stream as vLLM sends it: (topic, seq, msgpack [ts, events, dp_rank])
+        def __init__(self) -> None:
+            self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+            self.sock = zmq.Context.instance().socket(zmq.PUB)
+            self.sock.bind(self.endpoint)
+
+        def publish(self, events: list[dict]) -> None:
+            self.sock.send_multipart((b"", (0).to_bytes(8, "big"), msgpack.packb([0.0, events, 0])))
+
+    def stored_chain(tokens: list[int], first: int, size: int, medium: str) -> list[dict]:
+        return [{"type": "BlockStored", "block_hashes": [first + i], "parent_block_hash": None,
+                 "token_ids": tokens[i * size:(i + 1) * size], "block_size": size, "medium": medium}
+                for i in range(len(tokens) // size)]
+
+    pubs = [Publisher(), Publisher()]
+    with route.EventCounter([p.endpoint for p in pubs]) as counter:
+        deadline = time.monotonic() + 10
+        while counter.counts[0]["stored"].get("GPU", 0) == 0 and time.monotonic() < deadline:
+            pubs[0].publish(stored_chain(list(range(8)), 1, 4, "GPU"))  # until the subscription is up
+            time.sleep(0.05)
+        before = counter.counts[0]["stored"]["GPU"]
+        pubs[0].publish(stored_chain(list(range(12)), 10, 4, "CPU_TIER") + [
+            {"type": "BlockRemoved", "block_hashes": [10, 11], "medium": "CPU_TIER"}, {"type": "AllBlocksCleared"}])
+        pubs[1].publish([{"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"}])
+        while (counter.counts[0]["removed"], counter.counts[1]["removed"]) != ({"CPU_TIER": 2}, {"GPU": 1}) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert before % 2 == 0 and counter.counts[0]["stored"] == {"GPU": before, "CPU_TIER": 3}
+    assert counter.counts[0]["removed"] == {"CPU_TIER": 2} and counter.counts[1] == {"stored": {}, "removed": {"GPU": 1}}
+    for pub in pubs:
+        pub.sock.close(0)
+
+
+def test_moved_turns_and_the_floor_of_a_recorded_trace(tmp_path):
+    routed = {(0, 0): "a", (0, 1): "a", (0, 2): "b", (0, 3): "b", (1, 0): "b", (1, 1): "a", (1, 2): ""}
+    assert route.moved_turns(routed) == 2  # (0, 2) and (1, 1); an unknown replica is not a move
+    shared, user = list(range(64)), [[100 + u] * 40 for u in range(2)]
+    prompts = {(u, 0): shared + user[u] for u in range(2)} | {(0, 1): shared + user[0] + [7] * 30}
+    result = route.RouteResult(name="r", wall_s=0.0)
+    for i, key in enumerate(sorted(prompts)):
+        result.turns[key] = route.TurnClock().turn([1], 0.0)
+        result.turns[key].start_s = float(i)
+    route._record_trace(prompts, result, tmp_path / "t.jsonl", 1)
+    # (0,0) computes 104; (0,1) reuses its 3 full blocks (96 tokens) and computes 38; (1,0) reuses the shared 64
+    assert route.floor_tokens(tmp_path / "t.jsonl") == 104 + (134 - 96) + (104 - 64)

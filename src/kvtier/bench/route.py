@@ -17,6 +17,13 @@ in the order and at the times that run sent them, at the prefill speed its repli
 each system's run the same conversations again, replica 2 killed (SIGKILL) once a quarter of them are
 answered: requests lost (the client's retry failed too) and those cut mid-stream (in flight on the killed
 replica: no router can resume a stream it already began).
+
+Two knobs make the routers' differences show: `--tier-blocks N` bounds each replica's `shm:` tier to N blocks,
+so kvtier evicts (and announces each block `BlockRemoved`, which Dynamo's index drops and SGLang's tree never
+learns); `--shared-prefix-chars N` puts the same N characters (instructions all users share) before each
+user's passage. Per system the bench also counts the blocks each replica announced stored and removed (its
+KV event stream, per medium), the returning turns that moved replica, and, before any system runs, the
+floor: the prompt tokens one cache that never evicts would compute (each block once).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -39,10 +47,25 @@ from kvtier.sim.router import dynamo_scale
 
 POLICIES = ("round-robin", "sglang", "dynamo")  # and dynamo:S, Dynamo with prefill_load_scale S
 SETUPS = ("local", "pool")
-SHM_BYTES = "1GiB"        # per replica: the workload never fills it (the device budget is the pressure)
+SHM_BYTES = "1GiB"        # per replica by default: the workload never fills it (the device budget is the pressure)
 POOL_MAXMEMORY = "1gb"
 REFERENCE = "reference"   # one vLLM replica alone
 KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M in fp32
+
+
+def shm_spec(directory: Path, tier_blocks: int = 0) -> str:
+    """A replica's `shm:` tier holding `tier_blocks` blocks of 32 tokens (a block's file: its payload plus a header
+    and layer table of under 4 KiB, the size the tier's index counts), or, with 0, `SHM_BYTES` (never full)."""
+    from kvtier.bench.servers import BLOCK_TOKENS
+
+    block_file = BLOCK_TOKENS * KV_BYTES_PER_TOKEN + 4096
+    return f"shm:{directory}:{tier_blocks * block_file if tier_blocks else SHM_BYTES}"
+
+
+def shared_prefix(text: str, chars: int) -> str:
+    """What every user's system prompt carries before their passage: the text's last `chars` characters
+    (instructions a deployment gives every conversation); empty for 0."""
+    return text[-chars:] if chars > 0 else ""
 # `kvtier simulate`'s router model for each policy (`sim/router.py`)
 SIM_ROUTERS = {"round-robin": "round-robin", "sglang": "cache-aware", "dynamo": "dynamo"}
 
@@ -114,9 +137,10 @@ async def _chat_turn(client, result: RouteResult, key, messages: list[dict], w: 
     return None
 
 
-def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, prompts: dict | None = None) -> RouteResult:
+def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, prompts: dict | None = None,
+              preamble: str = "") -> RouteResult:
     """Every user's conversation, users at once, turns in order; `kill()` once a quarter of the requests
-    are answered. Progress on stderr."""
+    are answered; `preamble`: text every user's system prompt carries before the passage. Progress on stderr."""
     import httpx
 
     result = RouteResult(name=name, wall_s=0.0)
@@ -126,7 +150,8 @@ def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, prompts: di
     async def main() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
             async def user(u: int, passage: str, user_messages: list[str]) -> None:
-                messages = [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{passage}"}]
+                context = f"{preamble}\n\n{passage}" if preamble else passage
+                messages = [{"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{context}"}]
                 for turn, message in enumerate(user_messages):
                     messages.append({"role": "user", "content": message})
                     text = await _chat_turn(client, result, (u, turn), list(messages), w, prompts)
@@ -150,17 +175,19 @@ def _run_chat(url: str, convs, w: Workload, name: str, *, kill=None, prompts: di
 # -- the replicas and the routers ------------------------------------------------------------------------
 
 class Replicas:
-    """2 vLLM + kvtier replicas (`shm:` tier each, then the pool `pool_spec` if given), each on `num_blocks`
-    device blocks and pinned to a core of its own, publishing KV events on `ipc://` sockets."""
+    """2 vLLM + kvtier replicas (`shm:` tier each, of `tier_blocks` blocks if not 0, then the pool `pool_spec`
+    if given), each on `num_blocks` device blocks and pinned to a core of its own, publishing KV events on
+    `ipc://` sockets."""
 
-    def __init__(self, model_dir: Path, root: Path, *, num_blocks: int, pool_spec: str | None, num: int = 2) -> None:
+    def __init__(self, model_dir: Path, root: Path, *, num_blocks: int, pool_spec: str | None, num: int = 2,
+                 tier_blocks: int = 0) -> None:
         from kvtier.bench.servers import BLOCK_TOKENS, VllmServer, kvtier_transfer_config
 
         self.shm_dirs, self.servers, self.events, self.replays = [], [], [], []
         for i in range(num):
             shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-route-", dir="/dev/shm"))
             self.shm_dirs.append(shm)
-            tiers = [f"shm:{shm}:{SHM_BYTES}"] + ([pool_spec] if pool_spec else [])
+            tiers = [shm_spec(shm, tier_blocks)] + ([pool_spec] if pool_spec else [])
             self.events.append(f"ipc://{root}/r{i + 1}-events.sock")
             self.replays.append(f"ipc://{root}/r{i + 1}-replay.sock")
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.events[-1],
@@ -198,6 +225,86 @@ class Replicas:
         proc = self.servers[i].proc
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+class EventCounter:
+    """Subscribes to each replica's KV event stream (vLLM's ZMQ PUB, msgpack `KVEventBatch`) and counts the blocks
+    it announced: `counts[i]` is {"stored" | "removed": {medium: blocks}} for replica i. What a router fed by
+    the events learns; SGLang's router learns none of it."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = list(endpoints)
+        self.counts: list[dict[str, dict[str, int]]] = [{"stored": {}, "removed": {}} for _ in endpoints]
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-bench-events", daemon=True)
+
+    def __enter__(self) -> EventCounter:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def add(self, i: int, payload: bytes) -> None:
+        """Count one batch `payload` ([ts, events, dp_rank]) of replica i."""
+        import msgpack
+
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        for event in batch[1]:
+            kind = {"BlockStored": "stored", "BlockRemoved": "removed"}.get(
+                event.get("type") if isinstance(event, dict) else None)
+            if kind is not None:
+                medium = str(event.get("medium"))
+                counts = self.counts[i][kind]
+                counts[medium] = counts.get(medium, 0) + len(event.get("block_hashes") or [])
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        subs = []
+        for endpoint in self.endpoints:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(endpoint)
+            subs.append(sub)
+        self._ready.set()
+        poller = zmq.Poller()
+        for sub in subs:
+            poller.register(sub, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    frames = sock.recv_multipart()
+                    try:
+                        self.add(subs.index(sock), frames[-1])
+                    except Exception:  # noqa: BLE001 - a batch it cannot read is not counted, the run goes on
+                        pass
+        finally:
+            for sub in subs:
+                sub.close(0)
+
+
+def moved_turns(routed: dict) -> int:
+    """Returning turns answered by another replica than the conversation's previous turn (`routed`:
+    (user, turn) -> replica)."""
+    return sum(1 for (u, t), replica in routed.items()
+               if t > 0 and (u, t - 1) in routed and replica and replica != routed[(u, t - 1)])
+
+
+def floor_tokens(trace_path: Path) -> int:
+    """The prompt tokens one cache that never evicts computes on the recorded requests (each 32-token block once,
+    every request in its order): what any policy must compute, less the shared prefix each replica computes once."""
+    from kvtier.bench.servers import BLOCK_TOKENS
+    from kvtier.sim.replay import max_hit_tokens
+    from kvtier.sim.trace import read_trace
+
+    requests = read_trace(trace_path, BLOCK_TOKENS)
+    return sum(r.input_length for r in requests) - max_hit_tokens(requests, BLOCK_TOKENS)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
@@ -297,7 +404,7 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
            "cut_mid_stream": result.num_cut, "ttft_p50_s": _pct(ttfts, 50),
            "ttft_p90_s": _pct(ttfts, 90), "itl_mean_s": sum(itls) / len(itls) if itls else 0.0,
            "wall_s": result.wall_s, "same_replies_as_reference": same,
-           "first_error": result.first_error,
+           "first_error": result.first_error, "moved_turns": moved_turns(result.routed),
            "routed": [[u, t, result.routed.get((u, t), ""), *result.usage.get((u, t), (0, 0))]
                       for (u, t) in sorted(result.texts)]}  # user, turn, replica, prompt tokens, cached tokens
     if replicas:
@@ -310,6 +417,11 @@ def _row(result: RouteResult, reference: RouteResult | None, replicas: list[dict
                 "cached_tokens_by_tier": cached, "requests_per_replica": [r["requests"] for r in replicas],
                 "prefix_hit_rate": sum(cached.values()) / prompt if prompt else 0.0,
                 "preemptions": sum(r.get("preemptions", 0) for r in replicas), "replicas": replicas}
+        removed: dict[str, int] = {}
+        for r in replicas:
+            for medium, n in r.get("events", {}).get("removed", {}).items():
+                removed[medium] = removed.get(medium, 0) + n
+        row["blocks_removed"] = removed  # announced BlockRemoved, per medium, both replicas
     return row
 
 
@@ -328,9 +440,10 @@ def _record_trace(prompts: dict, result: RouteResult, path: Path, max_tokens: in
 
 
 def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, prefill_tokens_per_s: float,
-             decode_s_per_token: float = 0.0, num_replicas: int = 2) -> dict:
+             decode_s_per_token: float = 0.0, num_replicas: int = 2, tier_blocks: int = 0) -> dict:
     """`kvtier simulate`'s prediction for one system: its router model on the recorded trace, each replica's
-    device budget as HBM, the `shm:` tier as DRAM, the pool (`pool` setup) as the shared tier, a replica's
+    device budget as HBM, the `shm:` tier as DRAM (`tier_blocks` blocks, or never full with 0), the pool
+    (`pool` setup) as the shared tier, a replica's
     prefill and decode at the speeds its run measured (Dynamo's load terms weigh a replica's queue and its
     running requests)."""
     from kvtier.bench.servers import BLOCK_TOKENS
@@ -340,7 +453,8 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, p
 
     large = 1 << 40  # the workload never fills the tiers
     config = ClusterConfig(num_nodes=num_replicas, gpus_per_node=1, hbm_tokens=device_blocks * BLOCK_TOKENS,
-                           dram_tokens=large, pool_tokens=large if setup == "pool" else 0,
+                           dram_tokens=tier_blocks * BLOCK_TOKENS if tier_blocks else large,
+                           pool_tokens=large if setup == "pool" else 0,
                            block_tokens=BLOCK_TOKENS, flops_per_token=1.0, gpu_flops=prefill_tokens_per_s, mfu=1.0,
                            kv_bytes_per_token=KV_BYTES_PER_TOKEN, decode_s_per_token=decode_s_per_token)
     result = replay(read_trace(trace_path, BLOCK_TOKENS), config, _sim_router(policy))
@@ -349,8 +463,10 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, p
 
 
 def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 20, kill: bool = False,
-        log_dir: str | None = None) -> dict:
-    """Every system's row (and the reference's), the trace path, and each system's simulated hit rate."""
+        log_dir: str | None = None, tier_blocks: int = 0, shared_prefix_chars: int = 0) -> dict:
+    """Every system's row (and the reference's), the trace path, the floor, and each system's simulated hit rate;
+    `tier_blocks`: each replica's `shm:` tier in blocks (0: never full); `shared_prefix_chars`: the preamble
+    every user's system prompt carries (`shared_prefix`)."""
     from kvtier import models
     from kvtier.bench.pools import RedisServer
     from kvtier.bench.servers import BLOCK_TOKENS, VllmServer
@@ -364,15 +480,18 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
         policies = tuple(p for p in policies if p != "sglang")
     model_dir = models.cache_dir() / "smollm2-135m-instruct"
     models.load("smollm2", device="cpu")  # converted on first use
-    convs = conversations(shared_data_file(SHAKESPEARE).read_text(), w)
+    text = shared_data_file(SHAKESPEARE).read_text()
+    convs, preamble = conversations(text, w), shared_prefix(text, shared_prefix_chars)
     root = Path(log_dir or tempfile.mkdtemp(prefix="kvtier-bench-route-"))
     root.mkdir(parents=True, exist_ok=True)
     prompts: dict = {}
     print(f"kvtier bench route: {len(convs)} users x {w.num_turns} turns; logs in {root}", file=sys.stderr)
     with VllmServer(model_dir, root / "reference.log", max_model_len=(device_blocks - 1) * BLOCK_TOKENS) as ref:
-        reference = _run_chat(ref.url, convs, w, REFERENCE, prompts=prompts)
+        reference = _run_chat(ref.url, convs, w, REFERENCE, prompts=prompts, preamble=preamble)
     trace_path = root / "trace.jsonl"
     _record_trace(prompts, reference, trace_path, w.max_tokens)
+    floor = floor_tokens(trace_path)
+    print(f"  floor: {floor:,} of {sum(len(p) for p in prompts.values()):,} prompt tokens", file=sys.stderr)
     rows = [_row(reference, None, None)]
     for setup in setups:
         for policy in policies:
@@ -386,35 +505,45 @@ def run(w: Workload, *, policies=POLICIES, setups=SETUPS, device_blocks: int = 2
                     stack.callback(pool.kill)
                     pool.start()
                     pool_spec = pool.spec
-                replicas = stack.enter_context(Replicas(model_dir, tmp, num_blocks=device_blocks, pool_spec=pool_spec))
+                replicas = stack.enter_context(Replicas(model_dir, tmp, num_blocks=device_blocks, pool_spec=pool_spec,
+                                                        tier_blocks=tier_blocks))
                 url = stack.enter_context(front_door(policy, replicas, tmp, model_dir, shared_pool=setup == "pool"))
                 before = [s.metrics() for s in replicas.servers]
-                result = _run_chat(url, convs, w, name)
-                counts = [_replica_counts(b, s.metrics()) for b, s in zip(before, replicas.servers)]
+                with EventCounter(replicas.events) as events:
+                    result = _run_chat(url, convs, w, name, preamble=preamble)
+                    counts = [_replica_counts(b, s.metrics()) for b, s in zip(before, replicas.servers)]
+                    time.sleep(1.0)  # the last step's events
+                for count, announced in zip(counts, events.counts):
+                    count["events"] = announced
                 row = _row(result, reference, counts)
                 speed = sum(c["computed_tokens"] for c in counts) / max(1e-9, sum(c["prefill_s"] for c in counts))
                 own_trace = tmp / "trace.jsonl"  # this run's order: round-robin's luck, Dynamo's queues
                 _record_trace(prompts, result, own_trace, w.max_tokens)
                 row["simulated"] = simulate(own_trace, policy, setup, device_blocks=device_blocks,
-                                            prefill_tokens_per_s=speed, decode_s_per_token=row["itl_mean_s"])
+                                            prefill_tokens_per_s=speed, decode_s_per_token=row["itl_mean_s"],
+                                            tier_blocks=tier_blocks)
                 row["trace"] = str(own_trace)
                 if dynamo_scale(policy) is not None:
                     row["selector_matched_tokens"] = _selector_matched(url)
                 rows.append(row)
                 if kill:
-                    killed = _run_chat(url, convs, w, f"{name} (replica 2 killed)", kill=lambda: replicas.kill(1))
+                    killed = _run_chat(url, convs, w, f"{name} (replica 2 killed)", kill=lambda: replicas.kill(1),
+                                       preamble=preamble)
                     rows.append(_row(killed, reference, None))
-    return {"rows": rows, "trace": str(trace_path), "device_blocks": device_blocks,
+    return {"rows": rows, "trace": str(trace_path), "device_blocks": device_blocks, "tier_blocks": tier_blocks,
+            "floor_computed_tokens": floor,
             "workload": {"users": w.num_users, "turns": w.num_turns, "context_chars": w.context_chars,
-                         "turn_chars": w.turn_chars, "max_tokens": w.max_tokens}}
+                         "turn_chars": w.turn_chars, "max_tokens": w.max_tokens,
+                         "shared_prefix_chars": shared_prefix_chars}}
 
 
 # -- the report ------------------------------------------------------------------------------------------
 
 def render(result: dict) -> str:
     lines = ["| system | requests | failed | cut mid-stream | TTFT p50 | TTFT p90 | prompt tokens | computed | "
-             "loaded by tier | requests per replica | prefix hit rate | simulated | same replies |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loaded by tier | requests per replica | prefix hit rate | simulated | moved turns | blocks removed | "
+             "same replies |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         same = {None: "(reference)", True: "yes", False: "NO"}[r["same_replies_as_reference"]]
         cells = [r["system"], r["requests"], r["failed"], r["cut_mid_stream"], f"{r['ttft_p50_s']:.2f} s",
@@ -424,10 +553,14 @@ def render(result: dict) -> str:
             cells += [f"{r['prompt_tokens']:,}", f"{r['computed_tokens']:,}",
                       ", ".join(f"{k}: {v:,}" for k, v in r["cached_tokens_by_tier"].items()) or "–",
                       " / ".join(str(n) for n in r["requests_per_replica"]), f"{r['prefix_hit_rate']:.0%}",
-                      f"{sim['prefix_hit_rate']:.0%} ({sim['router']})" if sim else "–"]
+                      f"{sim['prefix_hit_rate']:.0%} ({sim['router']})" if sim else "–", r.get("moved_turns", 0),
+                      ", ".join(f"{k}: {v:,}" for k, v in r.get("blocks_removed", {}).items()) or "0"]
         else:
-            cells += ["–"] * 6
+            cells += ["–"] * 8
         lines.append("| " + " | ".join(str(c) for c in cells + [same]) + " |")
+    if "floor_computed_tokens" in result:
+        lines.append(f"\nFloor (one cache that never evicts): {result['floor_computed_tokens']:,} prompt tokens "
+                     "computed.")
     return "\n".join(lines)
 
 
@@ -471,6 +604,10 @@ def add_command(bench) -> None:
               context_chars: int = typer.Option(900, min=1), turn_chars: int = typer.Option(160, min=1),
               max_tokens: int = typer.Option(16, min=1),
               device_blocks: int = typer.Option(20, min=4, help="each replica's device KV blocks (of 32 tokens)"),
+              tier_blocks: int = typer.Option(0, min=0, help="each replica's shm: tier in blocks of 32 tokens, "
+                                              "so kvtier evicts (0: 1 GiB, never full)"),
+              shared_prefix_chars: int = typer.Option(0, min=0, help="a preamble of this many characters every "
+                                                      "user's system prompt carries before its passage"),
               policies: str = typer.Option(",".join(POLICIES), help=", ".join(POLICIES) + ", dynamo:S (Dynamo's "
                                            "prefill_load_scale S, DYN_ROUTER_PREFILL_LOAD_SCALE of its service)"),
               setups: str = typer.Option(",".join(SETUPS), help="local (shm: per replica), pool (+ one Redis)"),
@@ -487,12 +624,15 @@ def add_command(bench) -> None:
             raise UserError(f"policies among {', '.join(POLICIES)} (or dynamo:S, Dynamo with prefill_load_scale "
                             f"S); setups among {', '.join(SETUPS)}")
         result = run(Workload(users, turns, context_chars, turn_chars, max_tokens), policies=names, setups=kinds,
-                     device_blocks=device_blocks, kill=kill, log_dir=log_dir)
+                     device_blocks=device_blocks, kill=kill, log_dir=log_dir, tier_blocks=tier_blocks,
+                     shared_prefix_chars=shared_prefix_chars)
         if json_path:
             Path(json_path).write_text(json.dumps(result, indent=1) + "\n")
         if plot_path:
-            plot(result, plot_path, f"kvtier bench route: {users} users x {turns} turns, 2 replicas x {device_blocks} "
-                                    "device blocks (SmolLM2 fp32, vLLM CPU, 1 core each)")
+            tier = f", shm: {tier_blocks} blocks" if tier_blocks else ""
+            shared = f", {shared_prefix_chars}-char shared prefix" if shared_prefix_chars else ""
+            plot(result, plot_path, f"kvtier bench route: {users} users x {turns} turns{shared}, 2 replicas x "
+                                    f"{device_blocks} device blocks{tier} (SmolLM2 fp32, vLLM CPU, 1 core each)")
         print(render(result))
         for r in result["rows"]:
             if r["first_error"]:
