@@ -375,7 +375,7 @@ def test_a_stream_reads_the_next_chunk_while_the_caller_copies_this_one(tmp_path
     assert bytes(next(stream).payload) == blocks[0]
     assert second_read.wait(10)  # the caller has not pulled block 1 yet
     assert reads[0] == (keys[:STREAM_CHUNK_BLOCKS], "MainThread")
-    assert reads[1][0] == keys[STREAM_CHUNK_BLOCKS:] and reads[1][1].startswith("kvtier-prefetch")
+    assert reads[1][0] == keys[STREAM_CHUNK_BLOCKS:] and reads[1][1].startswith("kvtier-ahead")
     assert [bytes(b.payload) for b in stream] == blocks[1:]
     m.flush()
     assert len(reads) == 2 and m.tiers[0].contains_many(keys) == [True] * len(keys)  # all promoted

@@ -1,5 +1,5 @@
-"""`CopyGroup`: copies handed to helper threads as they come, the caller joining in at `finish`; every
-copy lands, the first error is raised after all ended, and no helper outlives the group."""
+"""`CopyGroup`: copies handed to helpers on the transfer executor as they come, the caller joining in at
+`finish`; every copy lands, the first error is raised after all ended, and no copy runs after `finish`."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.executor import TransferExecutor
 from kvtier.transfer.copies import MAX_COPY_THREADS, CopyGroup, copy_threads, split_copy
 
 
-def _copy_threads_alive() -> int:
-    return sum(t.name == "kvtier-copy" and t.is_alive() for t in threading.enumerate())
+def _copies_running(group: CopyGroup) -> int:
+    return group._num_running
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -28,7 +29,7 @@ def test_every_copy_lands_in_its_strided_view(threads):
         group.finish()
     assert group.num_copies == 80
     assert np.array_equal(dst, src.transpose(1, 2, 0, 3, 4).reshape(2, 3, 40 * 16, 8))
-    assert _copy_threads_alive() == 0
+    assert _copies_running(group) == 0
 
 
 def test_one_thread_copies_on_the_callers_thread_at_once():
@@ -47,7 +48,7 @@ def test_a_failed_copy_is_raised_by_finish_after_the_others_ended():
         group.add(d, src if i != 5 else src.reshape(10, 100))  # a shape that cannot go into its view
     with pytest.raises(ValueError):
         group.finish()
-    assert _copy_threads_alive() == 0
+    assert _copies_running(group) == 0
     # the copies before the bad one ran; those after it may be skipped, never half-written
     assert all(d.sum() in (0, 7 * 1000) for d in dst) and dst[0].sum() == 7 * 1000
 
@@ -58,7 +59,7 @@ def test_an_error_in_the_with_waits_for_the_helpers_and_propagates():
         with CopyGroup(2) as group:
             group.add(np.zeros(10, np.uint8), np.ones(10, np.uint8))
             raise KeyError("the stream failed")
-    assert _copy_threads_alive() == 0
+    assert _copies_running(group) == 0
 
 
 def test_split_copy_covers_sizes_that_do_not_divide():
@@ -83,3 +84,27 @@ def test_copy_threads_follow_torchs_thread_budget():
 def test_a_group_needs_a_thread():
     with pytest.raises(ValueError, match="at least one thread"):
         CopyGroup(0)
+
+
+def test_finish_never_waits_for_a_helper_still_queued_behind_other_work():
+    """Every worker busy (another load's reads): the helpers this group sent are queued; `finish` copies all
+    itself and returns, and the helpers that start later find nothing to do."""
+    executor = TransferExecutor(workers=1, max_queued=8)
+    release = threading.Event()
+    try:
+        busy = executor.submit(release.wait)
+        src = np.arange(100, dtype=np.uint8)
+        dst = [np.zeros(100, dtype=np.uint8) for _ in range(10)]
+        group = CopyGroup(3, executor)
+        for d in dst:
+            group.add(d, src)
+        finished = threading.Thread(target=group.finish, daemon=True)
+        finished.start()
+        finished.join(60)  # a failure detector: finish waiting for the busy worker would never return
+        assert not finished.is_alive() and all(np.array_equal(d, src) for d in dst)
+        release.set()
+        assert busy.result(60)
+    finally:
+        release.set()
+        executor.close()
+    assert executor.num_threads == 0

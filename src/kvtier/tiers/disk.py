@@ -18,7 +18,8 @@ Restores (`lease_many`) read each file straight into a page-aligned buffer of a 
 with O_DIRECT where the file system allows it, so the bytes move once, disk to buffer, with no page
 cache copy and no fresh allocation — several files in flight; the buffers go back at `release`.
 A layerwise load reads layer by layer (`lease_layers`, `tiers/ranged.py`): every file's head (header,
-layer 0) and layer table first, then the other layers in page-aligned pieces, all on the same readers.
+layer 0) and layer table first, then the other layers in page-aligned pieces. Every file read is a leaf
+task on the process's transfer executor (`kvtier.executor`): no thread of this tier's own.
 
 Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
 a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
@@ -50,10 +51,10 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.errors import UserError
+from kvtier.executor import Tasks, transfer_executor
 from kvtier.lru import LRUIndex
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
@@ -66,7 +67,6 @@ log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _BLOCK_SUFFIX = ".kvb"
 _PROBE_NAME = ".kvtier-probe"
-READ_THREADS = 4
 TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not another process's live one
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
@@ -138,7 +138,7 @@ class DiskTier:
         self._pin_fds: dict[bytes, int] = {}  # their files, each under a shared flock (other processes' pin)
         self._max_pin_fds = max(16, _open_files_limit() // 4)  # past it a pin holds in this process only
         self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
-        self._readers: ThreadPoolExecutor | None = None  # batched reads, started on first use
+        self._readers: Tasks | None = None  # this tier's reads on the process's transfer executor
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
         self._leases = Leases()  # read buffers lent out, by key
@@ -393,17 +393,17 @@ class DiskTier:
     def _read_all(self, keys: list[bytes], read) -> list:
         """`read(path)` of each key's file, None where it cannot be read. No index lookup first: a load
         reads where its lookup (`pin_many` / `contains_many`, maybe another process's) found the block,
-        and a missing file is just a miss. Batched reads run READ_THREADS at a time on one pool kept
-        for the tier's life: an SSD serves several outstanding reads faster than one at a time (queue
-        depth), and file reads release the GIL."""
+        and a missing file is just a miss. Batched reads are leaf tasks on the process's transfer executor
+        (`kvtier.executor`: its workers, not threads of this tier): an SSD serves several outstanding reads
+        faster than one at a time (queue depth), and file reads release the GIL."""
         paths = [self._path(key) for key in keys]
         if len(paths) < 2:
             return [read(path) for path in paths]
         return list(self._reader_pool().map(read, paths))
 
-    def _reader_pool(self) -> ThreadPoolExecutor:
+    def _reader_pool(self) -> Tasks:
         if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix=f"kvtier-{self.name}-read")
+            self._readers = transfer_executor().tasks()
         return self._readers
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -687,7 +687,7 @@ class DiskTier:
 
     def close(self) -> None:
         if self._readers is not None:
-            self._readers.shutdown(wait=True)
+            self._readers.join()  # its reads and stamps still out (the executor is the process's)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
         with self._index_lock:
             fds, self._pin_fds = list(self._pin_fds.values()), {}

@@ -29,10 +29,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, check_layer, verify
+from kvtier.executor import transfer_executor
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
@@ -178,8 +178,6 @@ class TierManager:
         self._read_locks = {id(tier): threading.Lock() for tier in tiers}
         self._write_locks = {id(tier): threading.Lock() for tier in tiers}
         self._writeback = WriteBack(tiers, self._guarded, threaded=async_writes, max_pending=max_pending_writes)
-        self._prefetcher: ThreadPoolExecutor | None = None  # stream()'s read-ahead, started on first use
-        self._prefetch_lock = threading.Lock()
         self._prober = HealthProber(tiers, lambda t: (self._read_locks[id(t)], self._write_locks[id(t)]))
 
     @property
@@ -309,12 +307,12 @@ class TierManager:
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
         then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
         `stream_chunk_blocks` at a time (the largest among the tiers the match found them in), the next
-        chunk on the prefetch thread while the caller copies this one, so an SSD or pool read overlaps
-        the copies. The promotions, the deletion of bad blocks (among those fetched) and the end of the
-        pins happen when the iteration ends or the generator is closed; so does the end of every lease —
-        unless `hold` is given: the yielded blocks' leases are then appended to it (end them with
-        `release(hold)`), so every block handed out stays valid until then. Past the end of the prefix
-        nothing more is fetched."""
+        chunk on the process's read-ahead thread (`kvtier.executor`) while the caller copies this one, so
+        an SSD or pool read overlaps the copies. The promotions, the deletion of bad blocks (among those
+        fetched) and the end of the pins happen when the iteration ends or the generator is closed; so does
+        the end of every lease — unless `hold` is given: the yielded blocks' leases are then appended to it
+        (end them with `release(hold)`), so every block handed out stays valid until then. Past the end of
+        the prefix nothing more is fetched."""
         chunk = max((self.tiers[t].stream_chunk_blocks for t in set(match.tier_indices)),
                     default=STREAM_CHUNK_BLOCKS)
         return self._blocks(match, lease, chunk, hold)
@@ -333,7 +331,7 @@ class TierManager:
                 got.update(ahead.result() if ahead is not None else self._fetch(match, lease, chunk))
                 ahead = None
                 if n + 1 < len(chunks):
-                    ahead = self._prefetch().submit(self._fetch, match, lease, chunks[n + 1])
+                    ahead = transfer_executor().ahead(self._fetch, match, lease, chunks[n + 1])
                 for i in chunk:
                     hdr = self._verified_at(match, got, i)
                     ended = ended or hdr is None
@@ -349,12 +347,6 @@ class TierManager:
                 for i in part.data:
                     self._verified_at(match, got, i)
             self._settle(match, got, kept, hold)
-
-    def _prefetch(self) -> ThreadPoolExecutor:
-        with self._prefetch_lock:
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
-            return self._prefetcher
 
     def _fetch(self, match: PrefixMatch, lease: bool, only: list[int]) -> _Fetched:
         """One batched get (or lease) per tier of the blocks `only`, each where the match found it;
@@ -393,7 +385,7 @@ class TierManager:
 
     def _reject(self, key: bytes, tier: Tier, exc: CorruptBlockError) -> None:
         log.warning("bad block %s in %s: %s (deleted; recomputing)", key.hex()[:12], tier.name, exc)
-        with self._read_locks[id(tier)]:  # the prefetch thread may be counting this tier's reads
+        with self._read_locks[id(tier)]:  # the read-ahead thread may be counting this tier's reads
             tier.stats.hits -= 1  # the tier counted a hit for bytes that are not this block
             tier.stats.misses += 1
             tier.stats.corrupt += 1
@@ -415,7 +407,7 @@ class TierManager:
         n = len(match)
         ranged = [i for i in range(n) if hasattr(self.tiers[match.tier_indices[i]], "lease_layers")]
         whole = [i for i in range(n) if i not in set(ranged)]
-        ahead = self._prefetch().submit(self._fetch, match, True, whole) if whole else None
+        ahead = transfer_executor().ahead(self._fetch, match, True, whole) if whole else None
         got, reads = _Fetched(), self._lease_layers(match, ranged)
         headers: list[Header | None] = [None] * n
         alive, complete = [True] * n, False
@@ -606,8 +598,6 @@ class TierManager:
     def close(self) -> None:
         self._prober.close()
         self._writeback.close()
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True)
         for tier in self.tiers:
             tier.close()
 

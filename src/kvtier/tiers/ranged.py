@@ -60,7 +60,8 @@ def plan_pieces(size: int, head: bytes | memoryview) -> list[tuple[int, int]]:
 
 
 class RangedRead:
-    """One file being read into `buf` in pieces (`plan_pieces`), each a future on the tier's readers.
+    """One file being read into `buf` in pieces (`plan_pieces`), each a leaf task on the process's transfer
+    executor (`kvtier.executor`).
     `wait(stop)`: every byte before `stop`, and the tail, is in (False: a read failed: a miss).
     `fd`: the file, opened plainly (page-cache reads); `open_device()` opens it for the device reads
     (O_DIRECT: offsets and buffer pages aligned), on the first piece the page cache lacks."""
@@ -121,12 +122,14 @@ class RangedRead:
 
     def wait(self, stop: int) -> bool:
         """Every piece holding bytes before `stop`, and the file's last bytes (a layer table), has landed
-        (those read before the pieces were submitted — the head, the table — are in already)."""
+        (those read before the pieces were submitted — the head, the table — are in already). A piece that
+        raised (an I/O error, or any other: a leaf's failure is this block's, never the load's) fails the
+        read: the block is a miss from there."""
         for start, end, future in self.pieces:
             if start < stop or end == self.size:
                 try:
                     future.result()
-                except OSError:
+                except Exception:  # noqa: BLE001 - counted by the executor; the reader recomputes the block
                     self.failed = True
         return not self.failed
 

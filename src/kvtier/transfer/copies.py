@@ -4,8 +4,9 @@ A restore into CPU KV memory that nothing computes beside (`TieredCache.load_pre
 forward) is a pure memory copy, and one core does not pull all the bandwidth DRAM has: on the 2-core
 CI machine a warm 189 MB memcpy runs at 6.3 GB/s on one thread and 12.1 GB/s split over two. So the
 restore hands its copies (`dst[...] = src`, numpy views; numpy releases the GIL inside each) to a
-`CopyGroup`, whose threads take them as they come while the caller goes on reading and verifying the
-next blocks, and `finish` takes part in what is left.
+`CopyGroup`, whose helpers (leaf tasks on the process's transfer executor, `kvtier.executor`) take them as
+they come while the caller goes on reading and verifying the next blocks, and `finish` takes part in what
+is left.
 
 Not for copies that run beside a forward (the engine's transfer worker restores while other
 requests compute): there a second copy thread takes a core the forward's intra-op threads wait for.
@@ -13,11 +14,13 @@ requests compute): there a second copy thread takes a core the forward's intra-o
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 
 import numpy as np
 import torch
+
+from kvtier.executor import TransferExecutor, transfer_executor
 
 MAX_COPY_THREADS = 4  # DRAM bandwidth is reached by a few cores; more only contend
 
@@ -38,49 +41,57 @@ def split_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
 
 
 class CopyGroup:
-    """Copies added as they come, run by `threads - 1` helper threads and, in `finish`, the caller's.
+    """Copies added as they come, run by up to `threads - 1` helpers on the process's transfer executor
+    (`kvtier.executor`: threads kept for the process's life, none started per restore) and, in `finish`,
+    the caller's thread.
 
         with CopyGroup(copy_threads()) as group:
             for block in stream:          # the helpers copy while the caller reads the next block
                 group.add(dst_view, src_view)
             group.finish()                # raises the first copy's error, after every copy ended
 
-    `threads=1` copies on the caller's thread in `add`. Leaving the `with` without `finish` (an
-    error) still waits for the helpers, so no copy outlives the memory it reads.
+    A helper is a leaf task: it copies what is queued and ends when nothing is (the next `add` sends
+    another); it never waits. `finish` copies what is left itself and waits only for copies running, never
+    for a helper still queued behind other loads' tasks (it will find nothing to do). `threads=1` copies on
+    the caller's thread in `add`. Leaving the `with` without `finish` (an error) still waits for the running
+    copies, so no copy outlives the memory it reads.
     """
 
-    def __init__(self, threads: int = 1) -> None:
+    def __init__(self, threads: int = 1, executor: TransferExecutor | None = None) -> None:
         if threads < 1:
             raise ValueError(f"a copy group needs at least one thread (got {threads})")
         self.threads = threads
         self.num_copies = 0
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._executor = (executor or transfer_executor()) if threads > 1 else None
+        self._tasks: deque[tuple[np.ndarray, np.ndarray]] = deque()
+        self._cond = threading.Condition()
+        self._num_helpers = 0   # helper tasks sent and not ended (queued or copying)
+        self._num_running = 0   # copies under way on helpers
         self._error: BaseException | None = None
-        self._helpers = [threading.Thread(target=self._drain, name="kvtier-copy", daemon=True)
-                         for _ in range(threads - 1)]
-        for helper in self._helpers:
-            helper.start()
         self._finished = False
 
     def add(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy `src` into the view `dst` (same shape), now or soon."""
         self.num_copies += 1
-        if not self._helpers:
+        if self._executor is None:
             np.copyto(dst, src)
             return
-        self._tasks.put((dst, src))
+        with self._cond:
+            self._tasks.append((dst, src))
+            send = self._num_helpers < self.threads - 1
+            if send:
+                self._num_helpers += 1
+        if send:  # outside the lock: a submitter may wait for room on the executor
+            self._executor.spawn(self._help)
 
     def finish(self) -> None:
         """Run what is left, wait for every copy; raise the first one's error."""
         if self._finished:
             return
         self._finished = True
-        for _ in self._helpers:
-            self._tasks.put(None)
-        self._tasks.put(None)
         self._drain()
-        for helper in self._helpers:
-            helper.join()
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_running == 0)
         if self._error is not None:
             raise self._error
 
@@ -90,7 +101,8 @@ class CopyGroup:
     def cancel(self, reason: BaseException) -> None:
         """Skip the copies not started, wait for the running ones; raises nothing (`reason` is the
         error already on its way)."""
-        self._error = self._error or reason
+        with self._cond:
+            self._error = self._error or reason
         try:
             self.finish()
         except BaseException:  # noqa: BLE001 - the error already propagating is the one to see
@@ -102,11 +114,30 @@ class CopyGroup:
         else:
             self.cancel(exc)
 
-    def _drain(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            if self._error is not None:
-                continue
+    def _help(self) -> None:
+        try:
+            self._drain(helper=True)
+        finally:
+            with self._cond:
+                self._num_helpers -= 1
+
+    def _drain(self, *, helper: bool = False) -> None:
+        """Copy queued tasks until none is left (after an error: drop them)."""
+        while True:
+            with self._cond:
+                if not self._tasks:
+                    return
+                task = self._tasks.popleft()
+                if self._error is not None:
+                    continue
+                self._num_running += helper
             try:
                 np.copyto(*task)
             except BaseException as exc:  # noqa: BLE001 - raised by `finish`, on the caller's thread
-                self._error = exc
+                with self._cond:
+                    self._error = self._error or exc
+            finally:
+                if helper:
+                    with self._cond:
+                        self._num_running -= 1
+                        self._cond.notify_all()

@@ -1,0 +1,240 @@
+"""The process's one transfer executor: the threads that run a load's leaf tasks, and its one read-ahead lane.
+
+A load has two kinds of work. A *leaf* reads a file range, copies a chunk, stamps a file: it never waits
+for another task. A *coordinator* (the loader of one request: `TierManager.stream` / `stream_layers` on the
+engine's transfer thread, the vLLM worker's load thread, `TieredCache.load_prefix`'s caller) submits
+leaves and waits for them. Leaves run here, on `WORKERS` threads kept for the process's life (no thread
+started per restore, per SSD tier or per batch); coordinators run on their own threads, and the one kind
+of coordinator kvtier hands off (a stream's read-ahead, which waits for its reads) runs on `ahead`'s single
+thread, never on a worker. So no worker ever waits for a task queued behind it, and any number of
+concurrent loads, more than there are workers, only queue:
+
+- a task submitted from a worker runs there and then (a leaf that fans out waits for nothing queued);
+- `submit` from any other thread waits while `max_queued` tasks wait to start (the one backpressure point
+  on the load side; `num_waits` counts the times it held a submitter). Only coordinators submit, and
+  leaves never wait for a coordinator, so the wait always ends;
+- a leaf that raises fails its future (its caller reports that block as not loaded), counted in
+  `num_failed`;
+- `close()` runs what is queued and joins every thread.
+
+Where it lives: below the tiers (`kvtier/executor.py` imports nothing of kvtier), because the lowest
+layer's reads (`tiers/disk.py`, `tiers/ranged.py`) are its leaves; `transfer/` (copies, the mover, the
+layer stream), the manager's read-ahead and the engines use it from above. In `transfer/` a tier would
+import upward (and `kvtier.transfer` imports the manager, a cycle). The save side's one writer (one queue,
+one bound, one drop counter: `tiers/writeback.py`) stays apart: saves are ordered and droppable, loads are
+neither.
+
+Worker threads start on demand from the thread that submits (a thread inherits its starter's CPU
+placement: `integrations/vllm/cpus.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+
+log = logging.getLogger(__name__)
+
+WORKERS = 8      # 4 SSD reads in flight (queue depth) beside a restore's copy helpers (at most 3)
+MAX_QUEUED = 4096  # tasks waiting to start before a submitter waits: a load's pieces fit; a runaway does not
+
+
+class _Lane:
+    """Threads taking tasks from one queue: `max_threads` of them, started as work arrives."""
+
+    def __init__(self, name: str, max_threads: int, max_queued: int, on_failure: Callable[[], None]) -> None:
+        self.name = name
+        self.max_threads = max_threads
+        self.max_queued = max_queued
+        self.num_waits = 0
+        self._on_failure = on_failure
+        self._tasks: deque = deque()
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closing = False
+
+    def owns_current_thread(self) -> bool:
+        return threading.current_thread() in self._threads
+
+    def put(self, future: Future | None, fn, args, kwargs) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError(f"the transfer executor is closed ({self.name})")
+            if len(self._tasks) >= self.max_queued:
+                self.num_waits += 1
+                self._cond.wait_for(lambda: len(self._tasks) < self.max_queued or self._closing)
+                if self._closing:
+                    raise RuntimeError(f"the transfer executor is closed ({self.name})")
+            self._tasks.append((future, fn, args, kwargs))
+            if self._idle == 0 and len(self._threads) < self.max_threads:
+                thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
+            else:
+                self._cond.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                self._cond.wait_for(lambda: self._tasks or self._closing)
+                self._idle -= 1
+                if not self._tasks:
+                    return
+                future, fn, args, kwargs = self._tasks.popleft()
+                self._cond.notify_all()  # a submitter waiting for room
+            _run(future, fn, args, kwargs, self._on_failure)
+
+    @property
+    def num_threads(self) -> int:
+        with self._cond:
+            return sum(thread.is_alive() for thread in self._threads)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+def _run(future: Future | None, fn, args, kwargs, on_failure: Callable[[], None]) -> None:
+    if future is not None and not future.set_running_or_notify_cancel():
+        return  # cancelled before it started (a ranged read whose lease ended)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - the future carries it to whoever waits
+        on_failure()
+        if future is None:
+            log.exception("a transfer task failed")
+        else:
+            future.set_exception(exc)
+        return
+    if future is not None:
+        future.set_result(result)
+
+
+class TransferExecutor(Executor):
+    """`submit(fn, ...)` / `map` / `spawn(fn)` run leaves on the workers; `ahead(fn, ...)` runs one
+    coordinator task (a read-ahead that waits for leaves) on the read-ahead thread."""
+
+    def __init__(self, workers: int = WORKERS, max_queued: int = MAX_QUEUED) -> None:
+        if workers < 1 or max_queued < 1:
+            raise ValueError(f"a transfer executor needs a worker and room for a task (got {workers}, {max_queued})")
+        self.num_failed = 0
+        self._failed_lock = threading.Lock()
+        self._leaves = _Lane("kvtier-io", workers, max_queued, self._failed)
+        self._ahead = _Lane("kvtier-ahead", 1, max_queued, self._failed)
+
+    def _failed(self) -> None:
+        with self._failed_lock:
+            self.num_failed += 1
+
+    @property
+    def num_waits(self) -> int:
+        """Times a submitter waited for room (the backpressure point)."""
+        return self._leaves.num_waits + self._ahead.num_waits
+
+    @property
+    def num_threads(self) -> int:
+        return self._leaves.num_threads + self._ahead.num_threads
+
+    def on_worker(self) -> bool:
+        return self._leaves.owns_current_thread()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        """Run the leaf `fn(*args, **kwargs)` on a worker (at once, here, when called from one)."""
+        future: Future = Future()
+        if self.on_worker():
+            _run(future, fn, args, kwargs, self._failed)
+        else:
+            self._leaves.put(future, fn, args, kwargs)
+        return future
+
+    def spawn(self, fn: Callable[[], None]) -> None:
+        """`submit` without a future, for a leaf that reports on its own (a copy group's helper); an
+        exception is logged and counted."""
+        if self.on_worker():
+            _run(None, fn, (), {}, self._failed)
+        else:
+            self._leaves.put(None, fn, (), {})
+
+    def ahead(self, fn, /, *args, **kwargs) -> Future:
+        """Run the coordinator `fn` (it may wait for leaves, never for another `ahead` task) on the one
+        read-ahead thread, in submission order."""
+        future: Future = Future()
+        self._ahead.put(future, fn, args, kwargs)
+        return future
+
+    def tasks(self) -> "Tasks":
+        """An executor view that counts what it submitted (`Tasks.join`): a tier's reads, waited for at its close."""
+        return Tasks(self)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Run what is queued, then join every thread."""
+        self._ahead.close()
+        self._leaves.close()
+
+
+class Tasks(Executor):
+    """The leaves one owner submitted, counted until each ended: `join()` waits for them (a tier's close)."""
+
+    def __init__(self, executor: TransferExecutor) -> None:
+        self.executor = executor
+        self._num_open = 0
+        self._cond = threading.Condition()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        with self._cond:
+            self._num_open += 1
+        try:
+            future = self.executor.submit(fn, *args, **kwargs)
+        except BaseException:
+            self._ended(None)
+            raise
+        future.add_done_callback(self._ended)
+        return future
+
+    def _ended(self, _future) -> None:
+        with self._cond:
+            self._num_open -= 1
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_open == 0)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if wait:
+            self.join()
+
+
+_executor: TransferExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def transfer_executor() -> TransferExecutor:
+    """The process's executor, made on first use."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = TransferExecutor()
+        return _executor
+
+
+def use_executor(executor: TransferExecutor | None) -> TransferExecutor | None:
+    """Make `executor` the process's (None: a fresh one on next use); returns the one it replaces, not closed
+    (tests: a small executor to saturate)."""
+    global _executor
+    with _executor_lock:
+        previous, _executor = _executor, executor
+    return previous

@@ -1,0 +1,137 @@
+"""The transfer executor on its own (`kvtier.executor`): leaves on threads kept for its life, a task submitted
+from a worker run there (no worker waits for a task queued behind it), one backpressure point that only holds
+submitters from outside, a failing leaf failing its own future (counted), and `close` running what is queued
+and joining every thread. The timeouts here only detect a deadlock; nothing is timed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvtier.executor import TransferExecutor
+
+DEADLOCK_S = 60
+
+
+@pytest.fixture
+def executor():
+    executor = TransferExecutor(workers=2, max_queued=2)
+    yield executor
+    executor.close()
+
+
+def _until(condition) -> None:
+    """Wait for `condition()` to hold (a failure detector, not a timing)."""
+    done = threading.Event()
+    for _ in range(DEADLOCK_S * 1000):
+        if condition():
+            return
+        done.wait(0.001)
+    raise AssertionError("condition never held")
+
+
+def test_leaves_run_on_the_same_threads_batch_after_batch(executor):
+    seen: set[int] = set()
+    for _ in range(5):
+        futures = [executor.submit(lambda: seen.add(threading.get_ident()) or threading.current_thread().name)
+                   for _ in range(2)]
+        assert all(f.result(DEADLOCK_S).startswith("kvtier-io") for f in futures)
+    assert len(seen) <= 2 and executor.num_threads <= 2
+
+
+def test_a_task_that_fans_out_and_waits_does_not_deadlock_one_worker():
+    executor = TransferExecutor(workers=1, max_queued=1)
+    try:
+        def fan_out():  # a leaf's map: on a pool that queued it, this would wait for its only worker
+            parts = [executor.submit(lambda n=n: (n, threading.get_ident())) for n in range(4)]
+            return [f.result() for f in parts], threading.get_ident()
+
+        parts, worker = executor.submit(fan_out).result(DEADLOCK_S)
+        assert [n for n, _ in parts] == [0, 1, 2, 3] and {ident for _, ident in parts} == {worker}
+    finally:
+        executor.close()
+
+
+def test_a_full_queue_holds_the_submitter_until_a_worker_takes_a_task():
+    executor = TransferExecutor(workers=1, max_queued=2)
+    release = threading.Event()
+    try:
+        blocker = executor.submit(release.wait)
+        _until(lambda: executor._leaves._idle == 0 and not executor._leaves._tasks)  # the worker holds it
+        queued = [executor.submit(lambda n=n: n) for n in range(2)]  # the queue is full now
+        third: list = []
+        submitter = threading.Thread(target=lambda: third.append(executor.submit(lambda: "third")))
+        submitter.start()
+        _until(lambda: executor.num_waits == 1)
+        assert not third  # held at the backpressure point
+        release.set()
+        submitter.join(DEADLOCK_S)
+        assert blocker.result(DEADLOCK_S) and [f.result(DEADLOCK_S) for f in queued] == [0, 1]
+        assert third[0].result(DEADLOCK_S) == "third"
+    finally:
+        release.set()
+        executor.close()
+
+
+def test_a_failing_leaf_fails_its_own_future_and_is_counted(executor):
+    def leaf(n):
+        if n == 3:
+            raise OSError("a bad sector")
+        return n
+
+    futures = [executor.submit(leaf, n) for n in range(6)]
+    with pytest.raises(OSError, match="bad sector"):
+        futures[3].result(DEADLOCK_S)
+    assert [f.result(DEADLOCK_S) for i, f in enumerate(futures) if i != 3] == [0, 1, 2, 4, 5]
+    assert executor.num_failed == 1
+
+
+def test_read_ahead_tasks_wait_for_leaves_without_deadlock_on_one_worker():
+    executor = TransferExecutor(workers=1, max_queued=1)
+    try:
+        def read_ahead(n):  # a coordinator: waits for its leaves, on the read-ahead thread
+            return sum(f.result() for f in [executor.submit(lambda i=i: i * n) for i in range(5)])
+
+        aheads = [executor.ahead(read_ahead, n) for n in range(8)]
+        assert [f.result(DEADLOCK_S) for f in aheads] == [10 * n for n in range(8)]
+        assert executor.num_threads == 2  # one worker, one read-ahead thread
+    finally:
+        executor.close()
+
+
+def test_a_cancelled_task_never_runs(executor):
+    release = threading.Event()
+    ran = []
+    busy = [executor.submit(release.wait) for _ in range(2)]
+    _until(lambda: executor._leaves._idle == 0 and not executor._leaves._tasks)
+    later = executor.submit(lambda: ran.append(1))
+    assert later.cancel()
+    release.set()
+    assert all(f.result(DEADLOCK_S) for f in busy)
+    executor.close()
+    assert ran == [] and later.cancelled()
+
+
+def test_close_runs_what_is_queued_and_joins_every_thread():
+    executor = TransferExecutor(workers=2, max_queued=16)
+    release = threading.Event()
+    futures = [executor.submit(release.wait) for _ in range(2)] + [executor.submit(lambda n=n: n) for n in range(8)]
+    ahead = executor.ahead(lambda: "ahead")
+    tasks = executor.tasks()
+    counted = [tasks.submit(lambda n=n: n) for n in range(3)]
+    release.set()
+    tasks.join()
+    assert all(f.done() for f in counted)
+    executor.close()
+    assert executor.num_threads == 0
+    assert all(f.done() for f in futures) and ahead.result() == "ahead"
+    with pytest.raises(RuntimeError, match="closed"):
+        executor.submit(lambda: None)
+
+
+def test_an_executor_needs_a_worker_and_room():
+    with pytest.raises(ValueError):
+        TransferExecutor(workers=0)
+    with pytest.raises(ValueError):
+        TransferExecutor(max_queued=0)
