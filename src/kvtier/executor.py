@@ -25,12 +25,14 @@ one bound, one drop counter: `tiers/writeback.py`) stays apart: saves are ordere
 neither.
 
 Worker threads start on demand from the thread that submits (a thread inherits its starter's CPU
-placement: `integrations/vllm/cpus.py`).
+placement: `integrations/vllm/cpus.py`). A forked child has none of its parent's threads: it forgets the
+parent's executor and makes its own on first use (a tier made before the fork reads on the child's).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -173,7 +175,7 @@ class TransferExecutor(Executor):
         return future
 
     def tasks(self) -> "Tasks":
-        """An executor view that counts what it submitted (`Tasks.join`): a tier's reads, waited for at its close."""
+        """An executor view that counts what it submitted (`Tasks.join`)."""
         return Tasks(self)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
@@ -186,9 +188,10 @@ class TransferExecutor(Executor):
 
 
 class Tasks(Executor):
-    """The leaves one owner submitted, counted until each ended: `join()` waits for them (a tier's close)."""
+    """The leaves one owner submitted, counted until each ended: `join()` waits for them (a tier's close).
+    `executor` None: the process's at each submit (a tier made before a fork reads on the child's)."""
 
-    def __init__(self, executor: TransferExecutor) -> None:
+    def __init__(self, executor: TransferExecutor | None = None) -> None:
         self.executor = executor
         self._num_open = 0
         self._cond = threading.Condition()
@@ -197,7 +200,7 @@ class Tasks(Executor):
         with self._cond:
             self._num_open += 1
         try:
-            future = self.executor.submit(fn, *args, **kwargs)
+            future = (self.executor or transfer_executor()).submit(fn, *args, **kwargs)
         except BaseException:
             self._ended(None)
             raise
@@ -229,6 +232,15 @@ def transfer_executor() -> TransferExecutor:
         if _executor is None:
             _executor = TransferExecutor()
         return _executor
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: it makes its own executor on first use."""
+    global _executor, _executor_lock
+    _executor, _executor_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def use_executor(executor: TransferExecutor | None) -> TransferExecutor | None:

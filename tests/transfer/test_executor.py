@@ -135,3 +135,30 @@ def test_an_executor_needs_a_worker_and_room():
         TransferExecutor(workers=0)
     with pytest.raises(ValueError):
         TransferExecutor(max_queued=0)
+
+
+def test_a_forked_child_runs_its_reads_on_an_executor_of_its_own(tmp_path):
+    """The parent's workers do not exist in a forked child: a tier made before the fork still reads there."""
+    import multiprocessing
+
+    from kvtier.executor import transfer_executor
+    from kvtier.tiers import DiskTier
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    tier.put_many([(bytes([n]) * 16, bytes([n]) * 100) for n in range(3)])
+    parent = transfer_executor()
+    assert tier.get_many([bytes([n]) * 16 for n in range(3)]) == [bytes([n]) * 100 for n in range(3)]
+    assert parent.num_threads > 0  # the parent's workers are up
+
+    context = multiprocessing.get_context("fork")
+    child = context.Process(target=_read_in_child, args=(tier,))
+    child.start()
+    child.join(DEADLOCK_S)
+    if child.is_alive():  # stuck waiting for threads it does not have
+        child.kill()
+    assert child.exitcode == 0
+
+
+def _read_in_child(tier) -> None:
+    ok = tier.get_many([bytes([n]) * 16 for n in range(3)]) == [bytes([n]) * 100 for n in range(3)]
+    raise SystemExit(0 if ok else 1)

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from kvtier.errors import UserError
-from kvtier.executor import Tasks, transfer_executor
+from kvtier.executor import Tasks
 from kvtier.lru import LRUIndex
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
@@ -403,7 +403,7 @@ class DiskTier:
 
     def _reader_pool(self) -> Tasks:
         if self._readers is None:
-            self._readers = transfer_executor().tasks()
+            self._readers = Tasks()  # on the process's executor at each read
         return self._readers
 
     def get_many(self, keys: list[bytes]) -> list[bytes | None]:
