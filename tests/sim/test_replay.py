@@ -108,6 +108,17 @@ def test_blocks_are_refreshed_tail_first_so_roots_outlive_leaves():
     assert hbm_keys(cluster) == [2, 1]
 
 
+def test_root_first_tiers_evict_a_prefix_s_root_before_its_leaves():
+    # kvtier's connector behind vLLM admits a request's blocks in prompt order: its tiers' LRU loses the root
+    # first, and with it the whole chain; tail first keeps the root (a later request hits it)
+    for root_first, dram_after, hit in ((False, [1, 4, 3], 4), (True, [2, 3, 4], 0)):
+        cluster = Cluster(cfg(dram_tokens=3 * BT, root_first_tiers=root_first))
+        cluster.access(0, req([1, 2]))
+        cluster.access(0, req([3, 4]))
+        assert hbm_keys(cluster, tier=1) == dram_after  # least recently used first
+        assert cluster.access(0, req([1, 2])).hit_tokens[1] == hit
+
+
 def test_block_larger_than_the_tier_is_not_stored():
     cluster = Cluster(cfg(hbm_tokens=3))
     cluster.access(0, req([1, 2], 6))       # block 1 (4 tokens) cannot fit; block 2 (2 tokens) can

@@ -13,7 +13,10 @@ holds), the same class and eviction order the real DRAM/SSD tiers use. Policy, p
   (HBM -> DRAM -> pool -> SSD) and the last tier's are dropped;
 - recency: a request's blocks are refreshed tail first, so its first block ends most recent and LRU
   evicts leaves of the prefix tree before their roots (vLLM's free-queue order: an evicted root would
-  strand every block after it).
+  strand every block after it). `root_first_tiers`: the tiers below HBM take them root first instead, as
+  kvtier's vLLM connector admits and touches a request's blocks in prompt order, so those tiers evict a
+  prefix's root before its leaves and strand the chain (`kvtier bench route` with a bounded `shm:` tier
+  measured it: 43-44% hits where tail first predicts 53-55%, `docs/benchmarks/route.md`).
 
 Not modelled: blocks pinned by running requests, HBM held by decode, cache updates taking time.
 """
@@ -51,6 +54,7 @@ class ClusterConfig:
     pool_tokens: int = 0
     ssd_tokens: int = 0
     write_policy: str = "through"
+    root_first_tiers: bool = False         # the tiers below HBM refresh a request's blocks root first (see above)
     block_tokens: int = BLOCK_TOKENS
     kv_bytes_per_token: float = 131072.0   # llama-3.1-8b, bf16, all ranks together
     flops_per_token: float = 16.06e9       # llama-3.1-8b: 2 x 8.03e9 params
@@ -148,16 +152,30 @@ class Cluster:
     def _update(self, node: int, request: Request, tiers: list[int]) -> None:
         stack = self.nodes[node]
         num_hits = len(tiers)
+        if self.config.root_first_tiers:  # the tiers below first, in prompt order; then HBM, tail first
+            for i in range(len(request.hash_ids)):
+                if i >= num_hits:
+                    self._write_lower(stack, request, i)
+                elif tiers[i] > 0:
+                    stack[tiers[i]].touch(request.hash_ids[i])
+            for i in range(len(request.hash_ids) - 1, -1, -1):
+                self._store(stack, 0, request.hash_ids[i], request.block_tokens(i, self.config.block_tokens))
+            return
         for i in range(len(request.hash_ids) - 1, -1, -1):  # tail first: see the module docstring
             key = request.hash_ids[i]
-            size = request.block_tokens(i, self.config.block_tokens)
             if i < num_hits and tiers[i] > 0:
                 stack[tiers[i]].touch(key)  # may be gone already: an earlier store's demotions evicted it
-            self._store(stack, 0, key, size)
-            if i >= num_hits and self._write_through:
-                for t in self._live:
-                    if t > 0 and key not in stack[t]:
-                        self._store(stack, t, key, size)
+            self._store(stack, 0, key, request.block_tokens(i, self.config.block_tokens))
+            if i >= num_hits:
+                self._write_lower(stack, request, i)
+
+    def _write_lower(self, stack: list[LRUIndex], request: Request, i: int) -> None:
+        """A computed block i into each tier below HBM that lacks it (write-through)."""
+        if self._write_through:
+            key, size = request.hash_ids[i], request.block_tokens(i, self.config.block_tokens)
+            for t in self._live:
+                if t > 0 and key not in stack[t]:
+                    self._store(stack, t, key, size)
 
     def _store(self, stack: list[LRUIndex], t: int, key: int, size: int) -> None:
         index = stack[t]
