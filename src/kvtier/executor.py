@@ -44,8 +44,12 @@ WORKERS = 8      # 4 SSD reads in flight (queue depth) beside a restore's copy h
 MAX_QUEUED = 4096  # tasks waiting to start before a submitter waits: a load's pieces fit; a runaway does not
 
 
+_current = threading.local()  # `lane`: the lane whose worker this thread is
+
+
 class _Lane:
-    """Threads taking tasks from one queue: `max_threads` of them, started as work arrives."""
+    """Threads taking tasks from one queue: `max_threads` of them, started as work arrives. Workers wait on
+    `_has_work`, submitters held at the bound on `_has_room` (one lock): a wake-up never goes to the wrong side."""
 
     def __init__(self, name: str, max_threads: int, max_queued: int, on_failure: Callable[[], None]) -> None:
         self.name = name
@@ -54,52 +58,60 @@ class _Lane:
         self.num_waits = 0
         self._on_failure = on_failure
         self._tasks: deque = deque()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._has_work = threading.Condition(self._lock)
+        self._has_room = threading.Condition(self._lock)
         self._threads: list[threading.Thread] = []
         self._idle = 0
+        self._num_held = 0  # submitters waiting for room
         self._closing = False
 
     def owns_current_thread(self) -> bool:
-        return threading.current_thread() in self._threads
+        return getattr(_current, "lane", None) is self
 
     def put(self, future: Future | None, fn, args, kwargs) -> None:
-        with self._cond:
+        with self._lock:
+            if len(self._tasks) >= self.max_queued and not self._closing:
+                self.num_waits += 1
+                self._num_held += 1
+                while len(self._tasks) >= self.max_queued and not self._closing:
+                    self._has_room.wait()
+                self._num_held -= 1
             if self._closing:
                 raise RuntimeError(f"the transfer executor is closed ({self.name})")
-            if len(self._tasks) >= self.max_queued:
-                self.num_waits += 1
-                self._cond.wait_for(lambda: len(self._tasks) < self.max_queued or self._closing)
-                if self._closing:
-                    raise RuntimeError(f"the transfer executor is closed ({self.name})")
             self._tasks.append((future, fn, args, kwargs))
-            if self._idle == 0 and len(self._threads) < self.max_threads:
+            if self._idle:  # counted down here: the next submit sees the worker woken as busy
+                self._idle -= 1
+                self._has_work.notify()
+            elif len(self._threads) < self.max_threads:
                 thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
                 self._threads.append(thread)
                 thread.start()
-            else:
-                self._cond.notify()
 
     def _work(self) -> None:
+        _current.lane = self
         while True:
-            with self._cond:
-                self._idle += 1
-                self._cond.wait_for(lambda: self._tasks or self._closing)
-                self._idle -= 1
+            with self._lock:
+                while not self._tasks and not self._closing:
+                    self._idle += 1  # `put` counts it down as it wakes one
+                    self._has_work.wait()
                 if not self._tasks:
                     return
                 future, fn, args, kwargs = self._tasks.popleft()
-                self._cond.notify_all()  # a submitter waiting for room
+                if self._num_held:
+                    self._has_room.notify()
             _run(future, fn, args, kwargs, self._on_failure)
 
     @property
     def num_threads(self) -> int:
-        with self._cond:
+        with self._lock:
             return sum(thread.is_alive() for thread in self._threads)
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closing = True
-            self._cond.notify_all()
+            self._has_work.notify_all()
+            self._has_room.notify_all()
             threads = list(self._threads)
         for thread in threads:
             if thread is not threading.current_thread():

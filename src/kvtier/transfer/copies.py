@@ -63,10 +63,11 @@ class CopyGroup:
         self.threads = threads
         self.num_copies = 0
         self._executor = (executor or transfer_executor()) if threads > 1 else None
-        self._tasks: deque[tuple[np.ndarray, np.ndarray]] = deque()
-        self._cond = threading.Condition()
+        self._tasks: deque[tuple[np.ndarray, np.ndarray]] = deque()  # append / popleft: atomic, no lock
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # `finish` waits here for the helpers copying
         self._num_helpers = 0   # helper tasks sent and not ended (queued or copying)
-        self._num_running = 0   # copies under way on helpers
+        self._num_active = 0    # helpers started and not ended: they may be copying
         self._error: BaseException | None = None
         self._finished = False
 
@@ -76,8 +77,8 @@ class CopyGroup:
         if self._executor is None:
             np.copyto(dst, src)
             return
-        with self._cond:
-            self._tasks.append((dst, src))
+        self._tasks.append((dst, src))
+        with self._lock:  # against a helper deciding to end: it sees this copy, or this add sees it gone
             send = self._num_helpers < self.threads - 1
             if send:
                 self._num_helpers += 1
@@ -90,8 +91,9 @@ class CopyGroup:
             return
         self._finished = True
         self._drain()
-        with self._cond:
-            self._cond.wait_for(lambda: self._num_running == 0)
+        with self._lock:
+            while self._num_active:
+                self._idle.wait()
         if self._error is not None:
             raise self._error
 
@@ -101,7 +103,7 @@ class CopyGroup:
     def cancel(self, reason: BaseException) -> None:
         """Skip the copies not started, wait for the running ones; raises nothing (`reason` is the
         error already on its way)."""
-        with self._cond:
+        with self._lock:
             self._error = self._error or reason
         try:
             self.finish()
@@ -115,29 +117,33 @@ class CopyGroup:
             self.cancel(exc)
 
     def _help(self) -> None:
-        try:
-            self._drain(helper=True)
-        finally:
-            with self._cond:
-                self._num_helpers -= 1
-
-    def _drain(self, *, helper: bool = False) -> None:
-        """Copy queued tasks until none is left (after an error: drop them)."""
+        """A helper: active before its first copy (so `finish` waits for it), ended only once the queue is
+        empty under the lock (an `add` then sends another)."""
+        with self._lock:
+            self._num_active += 1
         while True:
-            with self._cond:
-                if not self._tasks:
-                    return
-                task = self._tasks.popleft()
-                if self._error is not None:
-                    continue
-                self._num_running += helper
+            self._drain()
+            with self._lock:
+                if self._tasks:
+                    continue  # added while it drained: its `add` saw this helper alive
+                self._num_helpers -= 1
+                self._num_active -= 1
+                if not self._num_active:
+                    self._idle.notify_all()
+                return
+
+    def _drain(self) -> None:
+        """Copy queued tasks until none is left (after an error: drop them)."""
+        tasks = self._tasks
+        while True:
             try:
-                np.copyto(*task)
+                dst, src = tasks.popleft()
+            except IndexError:
+                return
+            if self._error is not None:
+                continue
+            try:
+                np.copyto(dst, src)
             except BaseException as exc:  # noqa: BLE001 - raised by `finish`, on the caller's thread
-                with self._cond:
+                with self._lock:
                     self._error = self._error or exc
-            finally:
-                if helper:
-                    with self._cond:
-                        self._num_running -= 1
-                        self._cond.notify_all()
