@@ -57,7 +57,10 @@ def _sdpa(q, k, v, table, num_queries, context, scale):
 MIXED = [(1, 1), (1, 8), (1, 9), (1, 64), (1, 65), (5, 70), (17, 17), (40, 128), (3, 200), (1, 333), (130, 130)]
 
 
-@pytest.mark.parametrize("block_tokens,group,head_dim", [(8, 2, 16), (16, 3, 64), (64, 3, 64), (64, 1, 32)])
+# head dims of 1, 2, 3, 4 and 8 vectors of 16 and one of none (the decode rows' vector slices and their scalar path);
+# groups of 1-4 rows and of 6 (a decode's rows taken four at a time)
+@pytest.mark.parametrize("block_tokens,group,head_dim", [(8, 2, 16), (16, 3, 64), (64, 3, 64), (64, 1, 32),
+                                                        (16, 4, 128), (16, 6, 48), (8, 2, 40)])
 def test_kernel_equals_sdpa_over_the_gathered_context(block_tokens, group, head_dim):
     # T=8 / D=16 / D=32: the in-place dot products; T=16, 64 with D=64: BLAS for the long chunks, in place for decodes
     k, v, tables, block_table, seq_lens, starts, lens, q = _paged_case(MIXED, block_tokens, 2, group, head_dim)

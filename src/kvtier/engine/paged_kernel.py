@@ -119,6 +119,76 @@ static inline vfloat load_kv(const kv_t* p) {
   }
 }
 
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp_neg of kLanes values at once (the same polynomial and exponent bits; GCC does not vectorize the scalar
+// one's loop: its floor and bit copies stay scalar)
+static inline vfloat exp_neg_v(vfloat x) {
+  const vfloat lo = vfloat{} - 87.0f;
+  x = x < lo ? lo : x;
+  const vfloat t = x * 1.44269504088896341f;
+  vfloat n = __builtin_convertvector(__builtin_convertvector(t, vint), vfloat);  // toward zero
+  n = n > t ? n - 1.0f : n;                                                       // floor (t <= 0)
+  const vfloat f = t - n;
+  vfloat p = vfloat{} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  vint bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += __builtin_convertvector(n, vint) << 23;
+  vfloat r;
+  std::memcpy(&r, &bits, sizeof(r));
+  return r;
+}
+
+// the cache lines of `rows` rows of D elements, `stride` apart, requested ahead (a decode's next keys and this
+// block's values: blocks sit anywhere in the arena, so the hardware's stream prefetcher would start each cold)
+template <typename kv_t>
+static inline void prefetch_rows(const kv_t* p, int64_t rows, int64_t stride, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * stride);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(kv_t)); b += 64) __builtin_prefetch(row + b);
+  }
+}
+
+// the largest of s[0 .. n) (-inf if n = 0)
+static inline float max_of(const float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  if (n >= kLanes) {
+    vfloat v = load(s);
+    for (t = kLanes; t + kLanes <= n; t += kLanes) {
+      const vfloat x = load(s + t);
+      v = x > v ? x : v;
+    }
+    for (int i = 0; i < kLanes; ++i) mx = std::max(mx, v[i]);
+  }
+  for (; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+}
+
+// s[t] = exp(s[t] - mx) for t < n; their sum
+static inline float exp_shifted(float* s, int64_t n, float mx) {
+  vfloat acc = {};
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    const vfloat e = exp_neg_v(load(s + t) - mx);
+    store(s + t, e);
+    acc += e;
+  }
+  float sum = 0.f;
+  for (int i = 0; i < kLanes; ++i) sum += acc[i];
+  for (; t < n; ++t) {
+    s[t] = exp_neg(s[t] - mx);
+    sum += s[t];
+  }
+  return sum;
+}
+
 // the sums of a0, a1, a2, a3's lanes, as lanes 0, 4, 8, 12 (a transposing tree: no serial lane adds)
 static inline vfloat sum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
   const vfloat t01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -131,35 +201,75 @@ static inline vfloat sum4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
   return v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
 }
 
-// scores of `rows` (a decode's few) query rows against `tn` keys read in place: four keys at a time,
-// each a vector accumulator over D (independent FMA chains), reduced together by `sum4`
-template <typename kv_t>
-static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb, int64_t k_st, int64_t tn,
-                                 int64_t D, float* sc, int64_t sc_stride) {
+// scores of R (<= 4: a decode's GQA group, or part of it) query rows against `tn` keys read in place, four keys
+// at a time: each key's D read once for all R rows, R x 4 vector accumulators (independent FMA chains), each row's
+// four reduced together by `sum4`. D a multiple of kLanes. Meanwhile the same rows of the `next` block's keys and of
+// this block's values (`vals`, read after the chunk's scores) are requested ahead (null: none).
+template <int R, typename kv_t>
+static inline void scores_rows(const float* qbuf, int64_t D, const kv_t* kb, int64_t k_st, int64_t tn, float* sc,
+                               int64_t sc_stride, const kv_t* next, const kv_t* vals, int64_t v_st) {
   int64_t t = 0;
-  if (D % kLanes == 0) {
-    for (; t + 4 <= tn; t += 4) {
-      const kv_t* k0 = kb + t * k_st;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* qr = qbuf + r * D;
-        vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t d = 0; d < D; d += kLanes) {
-          const vfloat qv = load(qr + d);
-          a0 += qv * load_kv(k0 + d);
-          a1 += qv * load_kv(k0 + k_st + d);
-          a2 += qv * load_kv(k0 + 2 * k_st + d);
-          a3 += qv * load_kv(k0 + 3 * k_st + d);
-        }
-        const vfloat total = sum4(a0, a1, a2, a3);
-        float* out = sc + r * sc_stride + t;
-        out[0] = total[0];
-        out[1] = total[4];
-        out[2] = total[8];
-        out[3] = total[12];
+  for (; t + 4 <= tn; t += 4) {
+    const kv_t* k0 = kb + t * k_st;
+    if (next != nullptr) prefetch_rows(next + t * k_st, 4, k_st, D);
+    if (vals != nullptr) prefetch_rows(vals + t * v_st, 4, v_st, D);
+    vfloat a[R][4] = {};
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const vfloat x0 = load_kv(k0 + d), x1 = load_kv(k0 + k_st + d), x2 = load_kv(k0 + 2 * k_st + d),
+                   x3 = load_kv(k0 + 3 * k_st + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const vfloat qv = load(qbuf + r * D + d);
+        a[r][0] += qv * x0;
+        a[r][1] += qv * x1;
+        a[r][2] += qv * x2;
+        a[r][3] += qv * x3;
       }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const vfloat total = sum4(a[r][0], a[r][1], a[r][2], a[r][3]);
+      float* out = sc + r * sc_stride + t;
+      out[0] = total[0];
+      out[1] = total[4];
+      out[2] = total[8];
+      out[3] = total[12];
     }
   }
   for (; t < tn; ++t) {
+    const kv_t* kr = kb + t * k_st;
+    for (int r = 0; r < R; ++r) {
+      vfloat a = {};
+      for (int64_t d = 0; d < D; d += kLanes) a += load(qbuf + r * D + d) * load_kv(kr + d);
+      float s = 0.f;
+      for (int i = 0; i < kLanes; ++i) s += a[i];
+      sc[r * sc_stride + t] = s;
+    }
+  }
+}
+
+// scores of `rows` (a decode's few, <= kRows) query rows against `tn` keys read in place: groups of up to four
+// rows by `scores_rows` (D a multiple of kLanes; the first group prefetches next_kb and vb), else plain loops
+template <typename kv_t>
+static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb, int64_t k_st, int64_t tn,
+                                 int64_t D, float* sc, int64_t sc_stride, const kv_t* next_kb = nullptr,
+                                 const kv_t* vb = nullptr, int64_t v_st = 0) {
+  if (D % kLanes == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const float* q0 = qbuf + r0 * D;
+      float* s0 = sc + r0 * sc_stride;
+      const kv_t* next = r0 == 0 ? next_kb : nullptr;
+      const kv_t* vals = r0 == 0 ? vb : nullptr;
+      switch (std::min<int64_t>(4, rows - r0)) {
+        case 1: scores_rows<1>(q0, D, kb, k_st, tn, s0, sc_stride, next, vals, v_st); break;
+        case 2: scores_rows<2>(q0, D, kb, k_st, tn, s0, sc_stride, next, vals, v_st); break;
+        case 3: scores_rows<3>(q0, D, kb, k_st, tn, s0, sc_stride, next, vals, v_st); break;
+        default: scores_rows<4>(q0, D, kb, k_st, tn, s0, sc_stride, next, vals, v_st); break;
+      }
+    }
+    return;
+  }
+  for (int64_t t = 0; t < tn; ++t) {
     const kv_t* kr = kb + t * k_st;
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = qbuf + r * D;
@@ -170,33 +280,74 @@ static inline void scores_direct(const float* qbuf, int64_t rows, const kv_t* kb
   }
 }
 
-// acc[r] += sum_t p[r, t] v[t] for a decode's few rows, the values read in place: per chunk of D, four
-// independent accumulators over the keys (D a multiple of kLanes; else plain loops)
+// acc[r, d0 : d0 + NV kLanes] += sum_t p[r, t] v[t] for R (<= 4) rows over the block's first `n` keys: each value
+// slice read once for all rows, R x NV vector accumulators (independent FMA chains) held across the keys
+template <int R, int NV, typename kv_t>
+static inline void values_rows(const float* sc, int64_t sc_stride, const kv_t* vb, int64_t v_st, int64_t n,
+                               int64_t d0, int64_t D, float* acc) {
+  vfloat o[R][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) o[r][j] = load(acc + r * D + d0 + j * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    const kv_t* vt = vb + t * v_st + d0;
+    vfloat x[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) x[j] = load_kv(vt + j * kLanes);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float p = sc[r * sc_stride + t];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) o[r][j] += p * x[j];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) store(acc + r * D + d0 + j * kLanes, o[r][j]);
+}
+
+template <int R, typename kv_t>
+static inline void values_rows_d(const float* sc, int64_t sc_stride, const kv_t* vb, int64_t v_st, int64_t n,
+                                 int64_t D, float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += 4 * kLanes) {
+    switch (std::min<int64_t>(4, (D - d0) / kLanes)) {
+      case 1: values_rows<R, 1>(sc, sc_stride, vb, v_st, n, d0, D, acc); break;
+      case 2: values_rows<R, 2>(sc, sc_stride, vb, v_st, n, d0, D, acc); break;
+      case 3: values_rows<R, 3>(sc, sc_stride, vb, v_st, n, d0, D, acc); break;
+      default: values_rows<R, 4>(sc, sc_stride, vb, v_st, n, d0, D, acc); break;
+    }
+  }
+}
+
+// acc[r] += sum_t p[r, t] v[t] for a decode's few rows (<= kRows), the values read in place: groups of up to four
+// rows by `values_rows` over the block's keys the longest row sees (the others' probabilities past their own keys
+// are zero: attend_item clears them), D a multiple of kLanes; else plain loops
 template <typename kv_t>
 static inline void values_direct(const float* sc, int64_t sc_stride, const kv_t* vb, int64_t v_st,
                                  const int64_t* count, int64_t rows, int64_t D, float* acc) {
+  if (D % kLanes == 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      int64_t n = 0;
+      for (int64_t r = r0; r < r0 + nr; ++r) n = std::max(n, count[r]);
+      const float* s0 = sc + r0 * sc_stride;
+      float* a0 = acc + r0 * D;
+      switch (nr) {
+        case 1: values_rows_d<1>(s0, sc_stride, vb, v_st, n, D, a0); break;
+        case 2: values_rows_d<2>(s0, sc_stride, vb, v_st, n, D, a0); break;
+        case 3: values_rows_d<3>(s0, sc_stride, vb, v_st, n, D, a0); break;
+        default: values_rows_d<4>(s0, sc_stride, vb, v_st, n, D, a0); break;
+      }
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* p = sc + r * sc_stride;
     float* a = acc + r * D;
-    const int64_t n = count[r];
-    if (D % kLanes) {
-      for (int64_t t = 0; t < n; ++t)
-        for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(vb[t * v_st + d]);
-      continue;
-    }
-    for (int64_t d = 0; d < D; d += kLanes) {
-      vfloat o0 = {}, o1 = {}, o2 = {}, o3 = {};
-      int64_t t = 0;
-      for (; t + 4 <= n; t += 4) {
-        const kv_t* v0 = vb + t * v_st + d;
-        o0 += p[t] * load_kv(v0);
-        o1 += p[t + 1] * load_kv(v0 + v_st);
-        o2 += p[t + 2] * load_kv(v0 + 2 * v_st);
-        o3 += p[t + 3] * load_kv(v0 + 3 * v_st);
-      }
-      for (; t < n; ++t) o0 += p[t] * load_kv(vb + t * v_st + d);
-      store(a + d, load(a + d) + ((o0 + o1) + (o2 + o3)));
-    }
+    for (int64_t t = 0; t < count[r]; ++t)
+      for (int64_t d = 0; d < D; ++d) a[d] += p[t] * to_float(vb[t * v_st + d]);
   }
 }
 
@@ -308,7 +459,9 @@ void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, flo
           for (int64_t d = 0; d < D; ++d) kt[d * T + t] = to_float(kb[t * k_st + d]);
         scores_tiled(qbuf, rows_padded, kt, T, D, s, C);
       } else {
-        scores_direct(qbuf, rows, kb, k_st, tn, D, s, C);
+        scores_direct(qbuf, rows, kb, k_st, tn, D, s, C,
+                      j + 1 < num_blocks ? k + table[j + 1] * k_sb + it.head * k_sh : nullptr,
+                      v + table[j] * v_sb + it.head * v_sh, v_st);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -318,16 +471,9 @@ void attend_item(const Item& it, const float* q, int64_t q_sn, int64_t q_sh, flo
       float* s = sc + r * C;
       for (int64_t t = n_seen; t < chunk_tokens; ++t) s[t] = 0.f;  // a row block's value pass runs to its longest row
       if (n_seen == 0) continue;
-      float mx = m[r];
-#pragma omp simd reduction(max : mx)
-      for (int64_t t = 0; t < n_seen; ++t) mx = std::max(mx, s[t]);
+      const float mx = std::max(m[r], max_of(s, n_seen));
       const float alpha = exp_neg(m[r] - mx);  // ~0 on the first chunk (m = -inf: clamped)
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < n_seen; ++t) {
-        s[t] = exp_neg(s[t] - mx);
-        sum += s[t];
-      }
+      const float sum = exp_shifted(s, n_seen, mx);
       l[r] = l[r] * alpha + sum;
       m[r] = mx;
       float* a = acc + r * D;
