@@ -130,7 +130,7 @@ def test_loads_from_dram_copy_straight_out_of_its_slots_and_end_every_lease(mode
 @pytest.mark.parametrize("mode", ["async", "layerwise"])
 def test_a_load_reads_where_the_scheduler_found_each_block_without_looking_it_up(manager, mode):
     """One lookup per SSD/shm block per load — the scheduler's: the worker reads at the tier the
-    LoadSpec names (no contains, no index check), on the tier's one read pool (not one per batch)."""
+    LoadSpec names (no contains, no index check), its reads counted in one view of the process's executor."""
     source, caches = new_worker(manager)
     keys = block_keys(SPACE, list(range(3 * T)))
     save(source, [SaveSpec("r0", keys, [0, 1, 2])])

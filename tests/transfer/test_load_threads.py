@@ -179,3 +179,20 @@ def test_a_failing_leaf_costs_its_block_only(manager, executor, monkeypatch):
     assert len(tiers[2]) == 6 and torch.equal(dsts[2], c_blocks)
     assert executor.num_failed >= 1 and ssd.stats.corrupt == 1
     assert not ssd.contains_many([a_keys[1]])[0]  # the corrupt block was deleted; B's block stays (a read error)
+
+
+def test_a_tier_closes_after_its_reads_in_flight_end(tmp_path, executor):
+    """The executor is the process's: a tier's close waits for its own leaves (into buffers it unmaps) to end."""
+    tier = DiskTier(tmp_path, 1 << 20)
+    reading, release = threading.Event(), threading.Event()
+    ended: list[bool] = []
+    tier._reader_pool().submit(lambda: reading.set() or release.wait(DEADLOCK_S) and ended.append(True))
+    assert reading.wait(DEADLOCK_S)
+    closed: list[bool] = []
+    closer = threading.Thread(target=lambda: tier.close() or closed.append(bool(ended)), daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the read (it cannot end before it)
+    release.set()
+    closer.join(DEADLOCK_S)
+    assert closed == [True]
