@@ -200,7 +200,8 @@ class TransferExecutor(Executor):
 
 
 class Tasks(Executor):
-    """The leaves one owner submitted, counted until each ended: `join()` waits for them (a tier's close).
+    """The tasks one owner submitted, counted until each ended: `join()` waits for them (a tier's or a manager's
+    close).
     `executor` None: the process's at each submit (a tier made before a fork reads on the child's)."""
 
     def __init__(self, executor: TransferExecutor | None = None) -> None:
@@ -209,10 +210,17 @@ class Tasks(Executor):
         self._cond = threading.Condition()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
+        return self._counted(lambda executor: executor.submit(fn, *args, **kwargs))
+
+    def ahead(self, fn, /, *args, **kwargs) -> Future:
+        """`TransferExecutor.ahead`, counted (a manager's read-ahead, waited for at its close)."""
+        return self._counted(lambda executor: executor.ahead(fn, *args, **kwargs))
+
+    def _counted(self, send) -> Future:
         with self._cond:
             self._num_open += 1
         try:
-            future = (self.executor or transfer_executor()).submit(fn, *args, **kwargs)
+            future = send(self.executor or transfer_executor())
         except BaseException:
             self._ended(None)
             raise

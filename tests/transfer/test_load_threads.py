@@ -196,3 +196,29 @@ def test_a_tier_closes_after_its_reads_in_flight_end(tmp_path, executor):
     release.set()
     closer.join(DEADLOCK_S)
     assert closed == [True]
+
+
+def test_a_manager_closes_after_its_read_ahead_ends(manager, monkeypatch):
+    """A stream left unfinished with its next chunk still being read: the manager's close waits for that read."""
+    keys, _ = _load_blocks(manager, "ahead", 12)
+    ssd = manager.tiers[2]
+    reading, release = threading.Event(), threading.Event()
+    lease = ssd.lease_many
+
+    def slow(ks):  # the read-ahead's SSD read: held until released
+        if threading.current_thread().name.startswith("kvtier-ahead"):
+            reading.set()
+            release.wait(DEADLOCK_S)
+        return lease(ks)
+
+    monkeypatch.setattr(ssd, "lease_many", slow)
+    stream = manager.stream(manager.match(keys))
+    next(stream)  # chunk 0 read; chunk 1 is being read ahead
+    assert reading.wait(DEADLOCK_S)
+    closer = threading.Thread(target=manager.close, daemon=True)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive()  # waiting for the read-ahead
+    release.set()
+    closer.join(DEADLOCK_S)
+    assert not closer.is_alive()

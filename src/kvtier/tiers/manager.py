@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, check_layer, verify
-from kvtier.executor import transfer_executor
+from kvtier.executor import Tasks
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
@@ -178,6 +178,7 @@ class TierManager:
         self._read_locks = {id(tier): threading.Lock() for tier in tiers}
         self._write_locks = {id(tier): threading.Lock() for tier in tiers}
         self._writeback = WriteBack(tiers, self._guarded, threaded=async_writes, max_pending=max_pending_writes)
+        self._aheads = Tasks()  # read-aheads on the process's read-ahead thread (`kvtier.executor`)
         self._prober = HealthProber(tiers, lambda t: (self._read_locks[id(t)], self._write_locks[id(t)]))
 
     @property
@@ -331,7 +332,7 @@ class TierManager:
                 got.update(ahead.result() if ahead is not None else self._fetch(match, lease, chunk))
                 ahead = None
                 if n + 1 < len(chunks):
-                    ahead = transfer_executor().ahead(self._fetch, match, lease, chunks[n + 1])
+                    ahead = self._aheads.ahead(self._fetch, match, lease, chunks[n + 1])
                 for i in chunk:
                     hdr = self._verified_at(match, got, i)
                     ended = ended or hdr is None
@@ -407,7 +408,7 @@ class TierManager:
         n = len(match)
         ranged = [i for i in range(n) if hasattr(self.tiers[match.tier_indices[i]], "lease_layers")]
         whole = [i for i in range(n) if i not in set(ranged)]
-        ahead = transfer_executor().ahead(self._fetch, match, True, whole) if whole else None
+        ahead = self._aheads.ahead(self._fetch, match, True, whole) if whole else None
         got, reads = _Fetched(), self._lease_layers(match, ranged)
         headers: list[Header | None] = [None] * n
         alive, complete = [True] * n, False
@@ -597,6 +598,7 @@ class TierManager:
 
     def close(self) -> None:
         self._prober.close()
+        self._aheads.join()  # a read-ahead still reading (a stream left unfinished): before its tiers close
         self._writeback.close()
         for tier in self.tiers:
             tier.close()
