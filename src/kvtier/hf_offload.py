@@ -243,23 +243,31 @@ class OffloadLayer(CacheLayerMixin):
         """A decode step: sink + each KV head's `num_fetched` best host pages + the tail, [1, H, m, D]."""
         n, h, d = self.num_host_blocks, self.keys.shape[1], self.keys.shape[-1]
         query = self.query()  # [1, Hq, 1, D], after RoPE
-        start = time.perf_counter()
-        host_k, host_v = self.host.pick(query[0, :, 0].reshape(h, -1, d), num_fetched)  # [1, k, H, P, D]
-        self._count(2 * host_k.nbytes, True, time.perf_counter() - start)
-        sink = self.sink_blocks * self.block_tokens
+        sink, picked = self.sink_blocks * self.block_tokens, num_fetched * self.page_tokens
         tail_end = self.num_tokens - n * self.block_tokens
-        return (self._joined(self.keys, host_k, self.keys[:, :, sink:tail_end]),
-                self._joined(self.values, host_v, self.values[:, :, sink:tail_end]))
+        out_k = self._around(self.keys, picked, self.keys[:, :, sink:tail_end])
+        out_v = self._around(self.values, picked, self.values[:, :, sink:tail_end])
+        start = time.perf_counter()
+        self.host.pick(query[0, :, 0].reshape(h, -1, d), num_fetched, out_k[0, :, sink:sink + picked],
+                       out_v[0, :, sink:sink + picked])  # gathered straight into its place
+        self._count(2 * h * picked * d * out_k.element_size(), True, time.perf_counter() - start)
+        return out_k, out_v
 
     def _joined(self, window: torch.Tensor, units: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
-        """[window's sink | units [B, j, H, u, D] in order (blocks or pages) | tail] -> [B, H, m, D], one
-        copy of each."""
+        """[window's sink | units [B, j, H, u, D] in order (host blocks) | tail] -> [B, H, m, D], one copy of each."""
         b, j, h, unit, d = units.shape
         sink = self.sink_blocks * self.block_tokens
-        out = torch.empty((b, h, sink + j * unit + tail.shape[2], d), dtype=window.dtype, device=window.device)
-        out[:, :, :sink] = window[:, :, :sink]
+        out = self._around(window, j * unit, tail)
         out[:, :, sink:sink + j * unit].unflatten(2, (j, unit)).copy_(units.transpose(1, 2))
-        out[:, :, sink + j * unit:] = tail
+        return out
+
+    def _around(self, window: torch.Tensor, num_middle: int, tail: torch.Tensor) -> torch.Tensor:
+        """[window's sink | `num_middle` tokens left to fill | tail] -> [B, H, m, D] (the sink and tail copied)."""
+        b, h, _, d = window.shape
+        sink = self.sink_blocks * self.block_tokens
+        out = torch.empty((b, h, sink + num_middle + tail.shape[2], d), dtype=window.dtype, device=window.device)
+        out[:, :, :sink] = window[:, :, :sink]
+        out[:, :, sink + num_middle:] = tail
         return out
 
     def _count(self, num_bytes: int, decode: bool, seconds: float) -> None:

@@ -3,7 +3,7 @@
 import torch
 
 from kvtier.offload.host_kv import HostKV
-from kvtier.offload.pages import page_summary, select_pages
+from kvtier.offload.pages import gather_pages, page_summary, pick_pages, select_pages
 
 B, H, T, D, P = 2, 2, 4, 3, 2  # batch, KV heads, block tokens, head dim, page tokens
 CPU = torch.device("cpu")
@@ -45,14 +45,36 @@ def test_pick_returns_each_heads_best_pages_in_context_order():
     host.append(k, v)
     query = torch.randn(H, 1, D)
     top = select_pages(host.summaries[:3], query, 2)  # [2, H]: page index over the 3 blocks' 6 pages
-    got_k, got_v = host.pick(query, 2)
-    assert got_k.shape == (1, 2, H, P, D)
+    got_k, got_v = torch.full((H, 2 * P, D), float("nan")), torch.full((H, 2 * P, D), float("nan"))
+    host.pick(query, 2, got_k, got_v)
     pages_k = k[0].unflatten(1, (-1, P))  # [H, pages, P, D]
     pages_v = v[0].unflatten(1, (-1, P))
     for j in range(2):
         for head in range(H):
-            assert torch.equal(got_k[0, j, head], pages_k[head, top[j, head]])
-            assert torch.equal(got_v[0, j, head], pages_v[head, top[j, head]])
+            assert torch.equal(got_k[head, j * P:(j + 1) * P], pages_k[head, top[j, head]])
+            assert torch.equal(got_v[head, j * P:(j + 1) * P], pages_v[head, top[j, head]])
+
+
+def test_gather_pages_reads_each_heads_pages_from_strided_host_blocks_into_a_strided_destination():
+    """The one gather of a pick (`FetchArea`'s on the CPU, `HostKV`'s): K of layer 1 of DRAM-slot-like blocks
+    [S, L, 2, H, T, D] (blocks far apart) into the first tokens of a wider buffer [H, tokens, D]."""
+    slots = torch.randn(5, 2, 2, H, T, D)
+    blocks, pages = torch.tensor([[4, 0], [1, 3], [2, 3]]), torch.tensor([[1, 0], [0, 1], [1, 1]])  # [k, H]
+    out = torch.zeros(H, 10, D)
+    assert gather_pages(slots[:, 1, 0], blocks, pages, P, out[:, :3 * P]).shape == (H, 3 * P, D)
+    for j in range(3):
+        for head in range(H):
+            first = pages[j, head] * P
+            assert torch.equal(out[head, j * P:(j + 1) * P], slots[blocks[j, head], 1, 0, head, first:first + P])
+    assert not out[:, 3 * P:].any()  # nothing past the pick
+
+
+def test_pick_pages_splits_the_selection_into_blocks_and_pages():
+    summaries = page_summary(torch.randn(3, H, T, D), P)  # 3 blocks of 2 pages
+    query = torch.randn(H, 1, D)
+    top = select_pages(summaries, query, 4)
+    blocks, pages = pick_pages(summaries, query, 4, T // P)
+    assert torch.equal(blocks * (T // P) + pages, top) and blocks.device.type == "cpu"
 
 
 def test_restored_blocks_count_and_get_their_summaries():

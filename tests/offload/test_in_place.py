@@ -48,7 +48,7 @@ def test_decode_over_host_blocks_in_place_and_the_window_is_attention_over_both(
         offsets = reads.exact_offsets(slots)
     else:
         top = torch.stack([torch.randperm(pages)[:picked].sort().values for _ in range(heads)], 1)  # [k, H]
-        offsets = reads.page_offsets(slots, top)
+        offsets = reads.page_offsets(slots, top // (block // page), top % (block // page))
     # what it must equal: each head's units gathered, then the window, one SDPA
     per_block = block // page
     units = host[:, layer].unflatten(-2, (per_block, page))  # [S, 2, H, pages, P, D]

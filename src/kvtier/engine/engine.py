@@ -337,7 +337,15 @@ class LLMEngine:
 
     def _offload_block(self, offload: Offload) -> None:
         """Pin a block of an offloaded sequence in host memory (where DRAM holds it already, else
-        copied from the device), with its key summary for sparse attention."""
+        copied from the device), with its key summary for sparse attention.
+
+        Not a `BlockMover.save`, by design: a save is best-effort and later (queued on the writer, dropped when
+        the queue is full, a miss at worst), answers "does any tier hold it" and holds nothing. This block's
+        device slot is reused by this very step, so it must be in a DRAM slot *now* and stay there, leased,
+        while the sequence attends to it (`HostBlockPool.pin`: "does DRAM hold it", on the step thread; a
+        failure fails the step's sequences). What they can share they share: the encode (`BlockMover.encode`:
+        the codec under a key-bound header) and the manager's store with write-through below
+        (`TierManager.lease_in_place` stores as `put_many` does)."""
         host = offload.seq.host
         # encoded as a save encodes it, only where DRAM does not hold it yet (the block's save may have landed)
         slot = self.host_pool.pin(offload.key, lambda: self.transfer.mover.encode(

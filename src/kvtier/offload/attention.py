@@ -12,7 +12,7 @@ from kvtier.offload.attend import attend, merge
 from kvtier.offload.config import OffloadMode
 from kvtier.offload.fetch import FetchArea
 from kvtier.offload.in_place import InPlaceDecode
-from kvtier.offload.pages import select_pages
+from kvtier.offload.pages import pick_pages
 from kvtier.offload.stats import OffloadStats
 
 
@@ -129,9 +129,8 @@ class OffloadAttention:
         """A decode over its host blocks (sparse: each head's picked pages) read in place, and its window."""
         h, (hq, _, d) = k_dev.shape[0], q.shape
         if self._sparse(off):
-            k = off.mode.num_fetched(off.slots.numel() * self.pages_per_block)
-            top = select_pages(off.summaries[:, layer], q[:, -1].reshape(h, hq // h, d), k)  # [k, H]
-            offsets, unit = self.in_place.page_offsets(off.slots, top), self.page_tokens
+            blocks, pages = self._pick(layer, q[:, -1].reshape(h, hq // h, d), off)
+            offsets, unit = self.in_place.page_offsets(off.slots, blocks, pages), self.page_tokens
         else:
             if off.host_offsets is None:
                 off.host_offsets = self.in_place.exact_offsets(off.slots)
@@ -169,12 +168,16 @@ class OffloadAttention:
             yield kv[0], kv[1]
 
     def _sparse_pages(self, layer: int, q4: torch.Tensor, off: SeqOffload) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pick for each KV head (`select_pages`), in context order: the host slots [k, H] of its top pages and each
-        one's page in its block [k, H]."""
+        """The pick for each KV head, in context order: the host slots [k, H] of its top pages and each one's page
+        in its block [k, H]."""
+        blocks, pages = self._pick(layer, q4[:, :, -1], off)
+        return off.slots[blocks], pages
+
+    def _pick(self, layer: int, q: torch.Tensor, off: SeqOffload) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pages.pick_pages` over the sequence's host blocks for q [H, G, D]: (blocks [k, H], pages [k, H]), CPU.
+        The host addresses the pages, so on CUDA this read-back waits for the layer."""
         k = off.mode.num_fetched(off.slots.numel() * self.pages_per_block)
-        # the host issues the copies, so it must know the pick: on CUDA this read-back waits for the layer
-        top = select_pages(off.summaries[:, layer], q4[:, :, -1], k).cpu()  # [k, H]: block * pages + page
-        return off.slots[top // self.pages_per_block], top % self.pages_per_block
+        return pick_pages(off.summaries[:, layer], q, k, self.pages_per_block)
 
     def _count(self, off: SeqOffload, num_tokens: int, seconds: float) -> int:
         buffer = self.fetch.buffer

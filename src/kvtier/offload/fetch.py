@@ -9,6 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvtier.codecs.codec import byte_array
+from kvtier.offload.pages import gather_pages
 
 
 class FetchArea:
@@ -127,8 +128,9 @@ class FetchArea:
         j of head h is from block `slots[j, h]` (sparse: each head its own), or [n, 1]: every head from
         block `slots[j, 0]` (exact); `pages` [n, H] (CPU): which page of `page_tokens` (P) tokens of that block
         (None: the whole block, P = T). Lands at tokens [0, n P) of the half, each head's K and V contiguous.
-        Returns n P. On CUDA the copies are queued on the current stream (attention after it on that stream
-        sees them)."""
+        Returns n P. On the CPU: `pages.gather_pages` (the gather `HostKV` makes too). On CUDA the copies are
+        queued on the current stream, one per head's page from the pinned slots (attention after it on that
+        stream sees them)."""
         return self._copy(layer, slots, half, pages, page_tokens)[0]
 
     def _copy(self, layer: int, slots: torch.Tensor, half: int, pages: torch.Tensor | None = None,
@@ -139,29 +141,30 @@ class FetchArea:
         assert self.block_tokens % t == 0 and n * t <= self.half_tokens, (n, t, self.half_tokens)
         assert slots.device.type == "cpu" and (pages is None or pages.device.type == "cpu"), \
             "host slots are host metadata: reading them from a device would sync"
+        if self._side is None:
+            start = time.perf_counter()
+            if h == 1 and pages is None and t == self.block_tokens:  # whole blocks (an exact piece: the fetch thread)
+                self._memcpy(layer, slots[:, 0].tolist(), half)
+            else:  # each head its own pages (a sparse pick): the one gather of picked pages (`HostKV`'s too)
+                pages = torch.zeros_like(slots) if pages is None else pages
+                for kv in range(2):
+                    gather_pages(self._host[:, layer, kv], slots, pages, t, self.buffer[half, kv, :, :n * t])
+            self._count(self._bytes(n * t), time.perf_counter() - start)
+            return n * t, None
         firsts = (pages * t).tolist() if pages is not None else [[0] * h] * n  # each item's first token in its block
         items = [list(zip(row, first)) for row, first in zip(slots.tolist(), firsts)]  # [n][H] (slot, first token)
         uniform = all(len(set(row)) == 1 for row in items)  # every head the same block (page): one copy per item
-        if self._side is None:
-            start = time.perf_counter()
-            self._memcpy(layer, items, t, half, uniform)
-            self._count(self._bytes(n * t), time.perf_counter() - start)
-            return n * t, None
         done = self._cuda_copy(layer, items, t, half, uniform, stream, after)
         self._count(self._bytes(n * t), 0.0)  # its time: from its events, at end()
         return n * t, done
 
-    def _memcpy(self, layer: int, items: list[list[tuple[int, int]]], t: int, half: int, uniform: bool) -> None:
-        # single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
-        # beside a forward that already uses them (the same reason as RawArena.write_block)
+    def _memcpy(self, layer: int, slots: list[int], half: int) -> None:
+        # whole blocks, single-threaded memcpys (numpy): torch's copies fan out to every core and crawl
+        # beside a forward that already uses them (the fetch thread's; the same reason as RawArena.write_block)
         dst, src = self._buffer_bytes[half], self._host_bytes[:, layer]  # [2, H, tokens, D B], [S, 2, H, T, D B]
-        for j, row in enumerate(items):
-            if uniform:
-                slot, first = row[0]
-                dst[:, :, j * t:(j + 1) * t] = src[slot, :, :, first:first + t]
-                continue
-            for head, (slot, first) in enumerate(row):
-                dst[:, head, j * t:(j + 1) * t] = src[slot, :, head, first:first + t]
+        t = self.block_tokens
+        for j, slot in enumerate(slots):
+            dst[:, :, j * t:(j + 1) * t] = src[slot]
 
     def _cuda_copy(self, layer: int, items: list[list[tuple[int, int]]], t: int, half: int, uniform: bool,
                    stream: torch.cuda.Stream | None, after: torch.cuda.Event | None) -> torch.cuda.Event:

@@ -5,8 +5,18 @@ has no tier stack beside each layer, so each of its layers keeps them here: K an
 `[B, capacity, H, T, D]` each, in host memory (pinned when CUDA is present), grown by doubling, so a run of
 blocks is one contiguous host -> device copy and one block one contiguous write. What moves to the device is
 what the engine's offload moves: every host block (exact; `stage` starts the copy ahead, on the caller's
-prefetch stream) or each KV head's pages picked by `offload.pages.select_pages` over the summaries kept here
-(sparse: per-page key min / max / mean on the device, `page_summary`).
+prefetch stream) or each KV head's pages picked and gathered as the engine's fetch area does
+(`offload.pages.pick_pages`, `gather_pages`) over the summaries kept here (sparse: per-page key min / max / mean on
+the device, `page_summary`).
+
+Why a store of its own, not the engine's slots (`[S, L, 2, H, T, D]`, one encoded block per slot): a slot is a
+whole block of every layer under a checksummed, key-bound header, what the DRAM tier stores and writes through;
+transformers hands a cache one layer at a time, so a block leaves layer l's window L times before it is whole and
+could be encoded, and a slot holds one sequence (exact takes a batch and beam search reorders it). And in the
+slots' layout one layer of n blocks is n strided pieces: the exact path's one contiguous copy per layer (staged on
+a side stream while the previous layer computes) would become a host-side pack first. So the layouts differ by
+what each path reads in one go; what both do with their blocks is the same code (`offload.pages`: summaries,
+the pick, the gather).
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.offload.config import PAGE_SUMMARY_VECTORS
-from kvtier.offload.pages import page_summary, select_pages
+from kvtier.offload.pages import gather_pages, page_summary, pick_pages
 
 
 class HostKV:
@@ -121,13 +131,10 @@ class HostKV:
         return (self.k[:, :num_blocks].to(self.device, non_blocking=True),
                 self.v[:, :num_blocks].to(self.device, non_blocking=True))
 
-    def pick(self, query: torch.Tensor, num_fetched: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse, batch row 0: each KV head's `num_fetched` best pages for `query` [H, group, D] (after RoPE),
-        in context order, on the device: K, V [1, k, H, P, D] (a head's K and V of a page are P x D contiguous
-        in its host block: gathered on the host, then one copy each)."""
-        h, d = self.k.shape[2], self.k.shape[-1]
-        top = select_pages(self.summaries[:self.num_blocks], query, num_fetched).cpu()  # [k, H]
-        blocks, pages, heads = top // self.pages_per_block, top % self.pages_per_block, torch.arange(h)
-        shape = (self.capacity, h, self.pages_per_block, self.page_tokens, d)
-        return tuple(host[0].view(shape)[blocks, heads, pages].to(self.device, non_blocking=True)[None]
-                     for host in (self.k, self.v))
+    def pick(self, query: torch.Tensor, num_fetched: int, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Sparse, batch row 0: each KV head's `num_fetched` best pages for `query` [H, group, D] (after RoPE), in
+        context order, into out_k, out_v [H, num_fetched P, D] (on the device): the engine's pick and gather
+        (`pages.pick_pages`, `pages.gather_pages`) over this layer's blocks."""
+        blocks, pages = pick_pages(self.summaries[:self.num_blocks], query, num_fetched, self.pages_per_block)
+        for host, out in ((self.k, out_k), (self.v, out_v)):
+            gather_pages(host[0], blocks, pages, self.page_tokens, out)

@@ -29,7 +29,6 @@ class InPlaceDecode:
         self.host = host
         self.block_tokens = host.shape[-2]
         self.page_tokens = page_tokens
-        self.pages_per_block = self.block_tokens // page_tokens
 
     @staticmethod
     def usable(device: torch.device, num_heads: int, num_kv_heads: int) -> bool:
@@ -42,10 +41,10 @@ class InPlaceDecode:
         heads = torch.arange(self.host.shape[3])
         return (slots[None, :] * self.host.stride(0) + heads[:, None] * self.host.stride(3))[:, None].contiguous()
 
-    def page_offsets(self, slots: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
-        """[H, 1, k]: offsets of each head's picked pages, `top` [k, H] (block * pages + page, in context order)."""
+    def page_offsets(self, slots: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """[H, 1, k]: offsets of each head's picked pages (`pages.pick_pages`: blocks [k, H], indices into `slots`,
+        and the page in each [k, H], in context order)."""
         heads = torch.arange(self.host.shape[3])
-        blocks, pages = top // self.pages_per_block, top % self.pages_per_block
         offsets = (slots[blocks] * self.host.stride(0) + heads * self.host.stride(3)
                    + pages * self.page_tokens * self.host.stride(4))  # [k, H]
         return offsets.T[:, None].contiguous()

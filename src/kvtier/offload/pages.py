@@ -42,3 +42,26 @@ def select_pages(summaries: torch.Tensor, q: torch.Tensor, k: int) -> torch.Tens
     q [H, G, D] -> the k best pages of each KV head [k, H] in context order, as block * pages + page."""
     n, pages = summaries.shape[:2]
     return select_blocks(quest_scores(summaries.reshape(n * pages, *summaries.shape[2:]), q), k)
+
+
+def pick_pages(summaries: torch.Tensor, q: torch.Tensor, k: int, pages_per_block: int) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """A sparse decode's pick as host metadata, for whoever reads the pages (the engine's fetch area and its reads
+    in place, `HostKV`): `select_pages` over the n blocks' summaries [n, pages, H, 3, D], split into each KV head's
+    blocks [k, H] (indices into the n blocks) and the page in each block [k, H], CPU tensors in context order (on
+    CUDA the read-back is the one sync a sparse layer pays: the host addresses the pages)."""
+    top = select_pages(summaries, q, k).cpu()
+    return top // pages_per_block, top % pages_per_block
+
+
+def gather_pages(src: torch.Tensor, blocks: torch.Tensor, pages: torch.Tensor, page_tokens: int,
+                 out: torch.Tensor) -> torch.Tensor:
+    """The gather of a pick, on the host: src [S, H, T, D] (K or V of one layer's host blocks; each head's T x D
+    rows contiguous, any stride between blocks), blocks, pages [k, H] (CPU: head h's j-th page is page
+    `pages[j, h]` of block `blocks[j, h]`) -> out [H, k P, D] (any device; each head's pages in order), returned.
+    One indexing op and one copy: the same pages whichever store holds the blocks (`FetchArea`'s DRAM slots,
+    `HostKV`'s layer buffers)."""
+    heads = torch.arange(src.shape[1])[:, None]
+    picked = src.unflatten(2, (-1, page_tokens))[blocks.T, heads, pages.T]  # [H, k, P, D]
+    out.unflatten(1, (blocks.shape[0], page_tokens)).copy_(picked)
+    return out

@@ -172,7 +172,9 @@ class BlockMover:
     def save(self, keys: list[bytes], blocks: Sequence[torch.Tensor], *, skip_held: bool = False) -> bool:
         """Encode `blocks` (each [L, 2, H, T, D], the block `keys[i]` names) and put them down the
         tiers, off the caller's thread. `skip_held`: first ask the tiers, write only what none holds.
-        False: the writer's queue was full and the save is dropped (counted)."""
+        False: the writer's queue was full and the save is dropped (counted). A block that must be in host
+        memory now and stay there (an offloaded sequence's, leaving its device window) is not saved but pinned
+        (`LLMEngine._offload_block`, `HostBlockPool.pin`): it shares `encode` and the manager's store."""
         if not keys:
             return True
         job = _Save(list(keys), blocks, skip_held)
