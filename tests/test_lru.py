@@ -46,3 +46,12 @@ def test_refused_refresh_of_a_present_key_changes_nothing():
     assert idx.insert("a", 9, pinned=["b"]) is None  # would need b out, b is pinned
     assert list(idx) == ["a", "b"] and idx.used == 8 and idx.size_of("a") == 4
     assert idx.insert("a", 7) == [("b", 4)] and list(idx) == ["a"] and idx.used == 7
+
+
+def test_touch_many_refreshes_a_chain_tail_first():
+    idx = LRUIndex(capacity=4)
+    for key in "abcd":
+        idx.insert(key, 1)
+    idx.touch_many(["a", "b", "x"])  # a chain, root first; absent keys skipped
+    assert list(idx) == ["c", "d", "b", "a"]  # its root the most recent
+    assert idx.insert("e", 1) == [("c", 1)]

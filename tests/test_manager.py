@@ -45,10 +45,11 @@ def test_longest_prefix_across_tiers(tmp_path):
 
 def test_write_through_and_demotion(tmp_path):
     m = _stack(tmp_path, dram_blocks=2)
-    m.put_many([(K[0], _block(0)), (K[1], _block(1)), (K[2], _block(2))])
+    m.put_many([(K[0], _block(0)), (K[1], _block(1))])
+    m.put_many([(K[2], _block(2))])  # evicts K[1]: the chain K0, K1 was refreshed tail first
     m.flush()
     dram, ssd = m.tiers
-    assert dram.contains_many(K[:3]) == [False, True, True]
+    assert dram.contains_many(K[:3]) == [True, False, True]
     assert ssd.contains_many(K[:3]) == [True, True, True]
     assert m.get_prefix(K[:3]) == [_block(0), _block(1), _block(2)]
     m.close()
@@ -482,8 +483,9 @@ def test_a_pinned_match_keeps_its_blocks_until_the_read_ends(tmp_path):
     ssd.put_many([(K[1], _block(1))])
     match = m.match(K[:2], pin=True)
     assert match.tiers == ["dram", "ssd"] and match.pinned == [True, True]
-    ssd.put_many([(K[4], _block(4)), (K[5], _block(5))])  # the SSD holds 2: K[1] is pinned, K[4] goes
-    dram.put_many([(K[6], _block(6)), (K[7], _block(7))])  # DRAM: K[0] is pinned, K[6] goes
+    for i in (4, 5):  # one block a put
+        ssd.put_many([(K[i], _block(i))])  # the SSD holds 2: K[1] is pinned, K[4] goes
+        dram.put_many([(K[i + 2], _block(i + 2))])  # DRAM: K[0] is pinned, K[6] goes
     assert ssd.contains_many([K[1], K[4]]) == [True, False]
     assert dram.contains_many([K[0], K[6]]) == [True, False]
     assert [b.tier for b in m.stream(match)] == ["dram", "ssd"]
@@ -561,8 +563,8 @@ def test_an_eviction_write_through_placed_below_returns_its_key_not_its_bytes(tm
     asked = []
     contains = ssd.contains_many
     ssd.contains_many = lambda ks: asked.extend(ks) or contains(ks)
-    assert dram.put_many([(K[2], _block(2))]) == [(K[0], None)]  # no bytes copied out
-    m.put_many([(K[3], _block(3))])  # evicts K[1] (placed below): nothing to demote
+    assert dram.put_many([(K[2], _block(2))]) == [(K[1], None)]  # the chain's tail; no bytes copied out
+    m.put_many([(K[3], _block(3))])  # evicts K[0] (placed below): nothing to demote
     m.flush()
     assert asked == [K[3]]  # the write-through's check only; no lookup for the evicted blocks
     assert m.get_prefix(K[:4]) == [_block(i) for i in range(4)]
@@ -589,9 +591,9 @@ def test_lease_in_place_pins_where_held_or_stores_and_never_evicts_a_leased_bloc
     assert [float(view[s].flatten()[0]) for s in (held, slot1, slot2)] == [0.0, 1.0, 2.0]
     assert dram.contains_many(K[:3]) == [True, True, True] and dram.num_dropped_puts == 3
     m.release_in_place([K[1], K[2]])
-    m.put_many([(K[3], _block(3))])  # evicts K[1] (placed below: its key alone, nothing demoted)
+    m.put_many([(K[3], _block(3))])  # evicts K[2], the tail of K1, K2 (placed below: its key alone, not demoted)
     m.flush()
-    assert dram.contains_many(K[:4]) == [True, False, True, True] and not ssd.contains_many([K[1]])[0]
+    assert dram.contains_many(K[:4]) == [True, True, False, True] and not ssd.contains_many([K[2]])[0]
     m.release_in_place([K[0]])
     assert dram.num_leased() == 0
     m.close()
@@ -601,4 +603,28 @@ def test_lease_in_place_only_on_a_top_tier_in_this_process(tmp_path):
     m = TierManager([DiskTier(tmp_path, 10 * SIZE)], async_writes=False)
     assert m.num_in_place_slots == 0
     assert m.lease_in_place([(K[0], _block(0))]) == [None] and not m.contains_many([K[0]])[0]
+    m.close()
+
+
+def test_a_read_in_chunks_keeps_the_chain_s_root_the_most_recent(tmp_path):
+    """A stream reads 4 blocks at a time: each chunk is refreshed after the one before, then the manager
+    refreshes the whole chain tail first (root most recent), so pressure evicts the chain from its tail."""
+    keys = [bytes([100 + i]) * 16 for i in range(10)]
+    for tier in (HostTier(8 * SIZE, SIZE), DiskTier(tmp_path, 8 * SIZE)):
+        m = TierManager([tier], async_writes=False)
+        m.put_many([(key, _block(0, key)) for key in keys[:8]])
+        assert len(list(m.stream(m.match(keys[:8])))) == 8  # two chunks
+        m.put_many([(key, _block(0, key)) for key in keys[8:]])  # evicts 2 blocks of the chain: its last 2
+        assert len(m.match(keys[:8])) == 6, tier.name
+        m.close()
+
+
+def test_a_chain_the_top_tier_evicts_is_demoted_so_that_the_lower_tier_keeps_its_root(tmp_path):
+    """DRAM evicts a chain tail first (K1, then K0); the demotion hands them to the SSD most recent first, so
+    the SSD refreshes them in DRAM's order and its own eviction takes the chain's tail too."""
+    m = TierManager([HostTier(2 * SIZE, SIZE), DiskTier(tmp_path, 3 * SIZE)], async_writes=False)
+    dram, ssd = m.tiers
+    dram.put_many([(K[0], _block(0)), (K[1], _block(1))])  # in DRAM only: evicting them demotes them
+    m.put_many([(K[2], _block(2)), (K[3], _block(3))])  # demotes K1, K0; then K2, K3 written through
+    assert ssd.contains_many(K[:4]) == [True, False, True, True]  # K3 evicted the demoted chain's tail
     m.close()

@@ -3,12 +3,27 @@
 One implementation serves every place that must decide which block to evict: the DRAM, SSD and pool
 tiers keep their bookkeeping here, and `kvtier simulate` replays traces through the same class, so
 a simulated hit rate is the hit rate the real store would have had.
+
+A request's blocks form a chain (prompt order, root first) and a prefix lookup stops at its first miss, so
+an LRU that lost a chain's root would keep the rest of it stored and unmatchable. Every place that takes
+one request's blocks in one call refreshes them tail first (`tail_first`, `LRUIndex.touch_many`): the root
+ends most recent and eviction takes a chain from its tail, as vLLM's free block queue and SGLang's radix
+cache (leaves first) do.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def tail_first(chain: Sequence[T]) -> list[T]:
+    """A chain's items (prompt order, root first) in the order an LRU refreshes them: the root last, most
+    recent (see the module docstring)."""
+    return list(chain)[::-1]
 
 
 class LRUIndex:
@@ -47,6 +62,12 @@ class LRUIndex:
             return False
         self._key_to_size.move_to_end(key)
         return True
+
+    def touch_many(self, chain: Sequence[Hashable]) -> None:
+        """Mark the keys of a chain (root first) most recently used, tail first: the root ends most recent.
+        Absent keys are skipped."""
+        for key in tail_first(chain):
+            self.touch(key)
 
     def fits(self, size: int) -> bool:
         return self.capacity is None or size <= self.capacity

@@ -78,12 +78,31 @@ def test_the_schedulers_evictions_reach_the_worker_through_the_step_records(side
     fourth = request("r4", [200 + t for t in range(2 * T + 1)])
     scheduler.after_alloc(fourth, [8, 9, 10], 0)
     records = step(scheduler, worker, fourth, [8, 9, 10])
-    assert records.deletes == {"ssd": keys[:2]}  # decided by the scheduler's LRU ...
-    assert [store._path(key).exists() for key in keys] == [False, False, True]  # ... done by the worker
+    # decided by the scheduler's LRU, which took r1's chain tail first: its tail goes first ...
+    assert records.deletes == {"ssd": [keys[2], keys[1]]}
+    assert [store._path(key).exists() for key in keys] == [True, False, False]  # ... done by the worker
     assert sorted(p.name for p in tmp_path.glob("*/*.kvb")) == sorted(
-        store._path(key).name for key in [keys[2], *records.saves[0].keys])
+        store._path(key).name for key in [keys[0], *records.saves[0].keys])
     assert worker.take_stats()["deleted_blocks"] == 2
-    assert scheduler.num_matched_tokens(request("r5", list(range(3 * T + 1))), 0) == 0
+    assert scheduler.num_matched_tokens(request("r5", list(range(3 * T + 1))), 0) == T  # the root still matches
+
+
+def test_a_request_s_later_blocks_keep_its_root_the_most_recent(sides, tmp_path):
+    """A turn that loads its prefix and sends new blocks down refreshes its whole chain tail first, so a full
+    directory evicts the chain's last block, not its root (which would strand the rest)."""
+    scheduler, worker, store = sides
+    first = request("r1", list(range(T + 1)))
+    scheduler.after_alloc(first, [0, 1], 0)
+    step(scheduler, worker, first, [0, 1])
+    turn = request("r2", list(range(3 * T + 1)))  # r1's block, then two more
+    assert scheduler.num_matched_tokens(turn, 0) == T
+    scheduler.after_alloc(turn, [2, 3, 4, 5], T)
+    assert len(step(scheduler, worker, turn, [2, 3, 4, 5]).saves[0].keys) == 2
+    scheduler.loaded_from({"r2": ["ssd"]})
+    other = request("r3", [100 + t for t in range(T + 1)])
+    scheduler.after_alloc(other, [6, 7], 0)
+    step(scheduler, worker, other, [6, 7])  # the directory holds 3: one block of r2's chain goes
+    assert scheduler.num_matched_tokens(request("r4", list(range(3 * T + 1))), 0) == 2 * T
 
 
 def test_a_load_pins_its_files_against_every_process_until_done(sides, tmp_path):
@@ -103,7 +122,7 @@ def test_a_load_pins_its_files_against_every_process_until_done(sides, tmp_path)
 
 def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
     """shm holds 2 blocks, the SSD 8: a step sending 3 keeps all 3 (the SSD took them); shm's index
-    keeps the last 2 and ships the first's delete."""
+    keeps the chain's first 2 (the third never evicts them) and deletes nothing."""
     tiers = [f"shm:{tmp_path / 'shm'}:{2 * BLOCK_BYTES}", f"ssd:{tmp_path / 'ssd'}:{8 * BLOCK_BYTES}"]
     scheduler = SchedulerSide(SPACE, build_manager(tiers, slot_bytes=BLOCK_BYTES, async_writes=False),
                               block_bytes=BLOCK_BYTES)
@@ -112,7 +131,8 @@ def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
     records = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3])
     keys = records.saves[0].keys
     assert len(keys) == 3 and records.saves[0].block_ids == [0, 1, 2]
-    assert records.deletes == {"shm": keys[:1]}
+    assert records.deletes == {}
+    assert [key in scheduler.manager.tiers[0]._lru for key in keys] == [True, True, False]
     scheduler.manager.close()
 
 
@@ -126,12 +146,32 @@ def test_blocks_a_load_takes_from_below_are_admitted_into_the_directory_the_work
     first = request("r1", list(range(3 * T + 1)))
     scheduler.after_alloc(first, [0, 1, 2, 3], 0)
     keys = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3]).saves[0].keys
+    other = request("r0", [100 + t for t in range(2 * T + 1)])  # fills shm: r1's chain goes, tail first
+    scheduler.after_alloc(other, [8, 9, 10], 0)
+    records = scheduler.build_records({"r0": 2 * T + 1}, lambda _: [8, 9, 10])
+    other_keys = records.saves[0].keys
+    assert records.deletes == {"shm": [keys[1], keys[0]]}
     store = DiskStore(tmp_path / "ssd")
     store.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # only the SSD holds them (shm dropped them)
     again = request("r2", list(range(3 * T + 1)))
     assert scheduler.num_matched_tokens(again, 0) == 3 * T
     scheduler.after_alloc(again, [4, 5, 6, 7], 3 * T)
-    # shm's index took the copies (the 3 keys through a 2-block index: k1, evicted by k0, goes) ...
-    assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [keys[1]]}
-    assert [key in shm._lru for key in keys] == [True, False, True] and shm.used_bytes() == 2 * BLOCK_BYTES
+    # shm's index took the copies: the chain's first 2 (the third never evicts them), r0's blocks going tail first
+    assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [other_keys[1], other_keys[0]]}
+    assert [key in shm._lru for key in keys] == [True, True, False] and shm.used_bytes() == 2 * BLOCK_BYTES
     manager.close()
+
+
+def test_tensor_parallel_shards_of_a_block_are_evicted_together_tail_first(tmp_path):
+    """Two ranks, a directory of 4 files: chain A (2 blocks, 4 files) then chain B (1 block) evicts both
+    shards of A's last block, so A still matches its first block (every rank holds it)."""
+    scheduler = SchedulerSide(SPACE, build_manager([f"ssd:{tmp_path}:{4 * BLOCK_BYTES}"], slot_bytes=BLOCK_BYTES,
+                                                   async_writes=False), world_size=2, block_bytes=BLOCK_BYTES)
+    store = DiskStore(tmp_path)
+    for req in (request("a", list(range(2 * T + 1))), request("b", [100 + t for t in range(T + 1)])):
+        scheduler.after_alloc(req, [0, 1, 2], 0)
+        records = scheduler.build_records({req.request_id: len(req.all_token_ids)}, lambda _: list(range(3)))
+        store.delete_many(records.deletes.get("ssd", []))
+        store.put_many([(key, bytes(BLOCK_BYTES)) for key in scheduler._rank_keys(records.saves[0].keys)])
+    assert scheduler.num_matched_tokens(request("a2", list(range(2 * T + 1))), 0) == T
+    scheduler.manager.close()

@@ -45,8 +45,8 @@ def test_a_block_another_index_pinned_is_not_evicted(tmp_path):
     assert writer.stats.evictions == 1 and writer.num_blocks() == 2
     assert loader.get_many([KEYS[0]]) == [payload(KEYS[0])]
     loader.unpin([KEYS[0]])
-    assert writer.contains_many([KEYS[0]]) == [True]  # adopted again, evicting the least recent (K2)
-    assert not writer._path(KEYS[2]).exists()
+    assert writer.contains_many([KEYS[0]]) == [True]  # adopted again, evicting the least recent: K3, the
+    assert not writer._path(KEYS[3]).exists()         # tail of the chain K2, K3 (refreshed tail first)
 
 
 def test_a_lookup_asks_the_file_not_a_stale_index(tmp_path):
@@ -94,8 +94,8 @@ def test_a_load_s_pin_is_a_use_in_the_owner_s_lru(tmp_path):
     owner.hand_deletes_off()
     owner.admit(KEYS[:3], BLOCK_BYTES)
     put(DiskStore(tmp_path), *KEYS[:3])
-    assert owner.pin_many([KEYS[0]]) == [True]
-    owner.unpin([KEYS[0]])
+    assert owner.pin_many([KEYS[2]]) == [True]  # the chain's tail (admitted tail first: least recent)
+    owner.unpin([KEYS[2]])
     owner.admit([KEYS[3]], BLOCK_BYTES)
     assert owner.take_deletes() == [KEYS[1]]
 

@@ -26,9 +26,9 @@ SIZE = len(_block(0))
 def test_host_lru_eviction_order_and_stats():
     tier = HostTier(capacity_bytes=3 * SIZE, slot_bytes=SIZE)
     assert tier.put_many([(K[0], _block(0)), (K[1], _block(1)), (K[2], _block(2))]) == []
-    assert tier.get_many([K[0], K[5]]) == [_block(0), None]
+    assert tier.get_many([K[2], K[5]]) == [_block(2), None]  # the chain's tail, least recent until now
     evicted = tier.put_many([(K[3], _block(3))])
-    assert evicted == [(K[1], _block(1))]  # K[0] was touched by the get
+    assert evicted == [(K[1], _block(1))]  # K[2] was touched by the get
     assert tier.contains_many(K[:4]) == [True, False, True, True]
     s = tier.stats
     assert (s.hits, s.misses, s.puts, s.evictions, s.bytes_read) == (1, 1, 4, 1, SIZE)
@@ -414,3 +414,54 @@ def test_disk_capacity_beyond_the_file_system_is_said_at_start(tmp_path, caplog)
     with caplog.at_level("WARNING"):
         DiskTier(tmp_path / "huge", free * 4)
     assert [r for r in caplog.records if "room for" in r.getMessage()]
+
+
+# ---- a request's blocks (a chain, root first) are refreshed tail first: a full tier evicts chains from their tails
+def _bounded(kind: str, num_blocks: int, tmp_path):
+    if kind == "dram":
+        return HostTier(capacity_bytes=num_blocks * SIZE, slot_bytes=SIZE)
+    return make_tier(f"{kind}:{tmp_path}:{num_blocks * SIZE}", slot_bytes=SIZE)
+
+
+def _put(tier, keys: list[bytes]) -> None:
+    tier.put_many([(key, _block(i)) for i, key in enumerate(keys)])
+
+
+def _prefix_len(tier, keys: list[bytes]) -> int:
+    held = tier.contains_many(keys)
+    return held.index(False) if False in held else len(held)
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd", "shm"])
+def test_a_full_tier_evicts_a_chain_from_its_tail_and_keeps_its_root(kind, tmp_path):
+    """5 blocks: chain A (4 blocks), then chain B (3): A loses its last 2 and keeps a 2-block prefix (root
+    first it would keep its last 2, stored and never matched again)."""
+    tier = _bounded(kind, 5, tmp_path)
+    _put(tier, K[:4])
+    _put(tier, K[4:7])
+    assert tier.contains_many(K[:7]) == [True, True, False, False, True, True, True]
+    assert _prefix_len(tier, K[:4]) == 2
+
+
+@pytest.mark.parametrize("kind", ["dram", "ssd", "shm"])
+def test_a_chain_longer_than_the_tier_keeps_its_first_blocks(kind, tmp_path):
+    tier = _bounded(kind, 3, tmp_path)
+    _put(tier, K[:5])
+    assert tier.contains_many(K[:5]) == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("kind, read", [("dram", "get_many"), ("dram", "lease_many"), ("ssd", "get_many"),
+                                        ("ssd", "lease_many"), ("shm", "pin_many")])
+def test_a_read_refreshes_a_chain_tail_first(kind, read, tmp_path):
+    """Chains A (K0, K1) then B (K2, K3) fill 4 blocks; a read of A (or a pin: the lookup a load follows)
+    makes A's root the most recent: chain C (3 blocks) evicts B, then A's tail, and A keeps its root."""
+    tier = _bounded(kind, 4, tmp_path)
+    _put(tier, K[:2])
+    _put(tier, K[2:4])
+    assert all(getattr(tier, read)(K[:2]))
+    if read == "lease_many":
+        tier.release(K[:2])
+    if read == "pin_many":
+        tier.unpin(K[:2])
+    _put(tier, K[4:7])
+    assert tier.contains_many(K[:7]) == [True, False, False, False, True, True, True]

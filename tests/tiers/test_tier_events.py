@@ -30,10 +30,11 @@ def test_writes_evictions_and_write_through_are_announced_in_order(tmp_path):
     assert log.take() == [TierEvent("dram", True, (K[0],)), TierEvent("dram", True, (K[1],)),
                           TierEvent("ssd", True, (K[0],)), TierEvent("ssd", True, (K[1],))]
     manager.put_many([(K[2], _block(2)), (K[3], _block(3))])
-    assert log.take() == [TierEvent("dram", False, (K[0],)), TierEvent("dram", True, (K[2],)),
-                          TierEvent("dram", False, (K[1],)), TierEvent("dram", True, (K[3],)),
+    # stored in prompt order (a parent before its children); the chain K0, K1 evicted from its tail
+    assert log.take() == [TierEvent("dram", False, (K[1],)), TierEvent("dram", True, (K[2],)),
+                          TierEvent("dram", False, (K[0],)), TierEvent("dram", True, (K[3],)),
                           TierEvent("ssd", True, (K[2],)),
-                          TierEvent("ssd", False, (K[0],)), TierEvent("ssd", True, (K[3],))]
+                          TierEvent("ssd", False, (K[1],)), TierEvent("ssd", True, (K[3],))]
     assert log.take() == []
     assert manager.watch() is log  # one log per stack
 

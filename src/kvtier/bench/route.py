@@ -442,13 +442,14 @@ def _record_trace(prompts: dict, result: RouteResult, path: Path, max_tokens: in
 
 
 def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, prefill_tokens_per_s: float,
-             decode_s_per_token: float = 0.0, num_replicas: int = 2, tier_blocks: int = 0) -> dict:
+             decode_s_per_token: float = 0.0, num_replicas: int = 2, tier_blocks: int = 0,
+             root_first_tiers: bool = False) -> dict:
     """`kvtier simulate`'s prediction for one system: its router model on the recorded trace, each replica's
     device budget as HBM, the `shm:` tier as DRAM (`tier_blocks` blocks, or never full with 0; its LRU takes a
-    request's blocks root first, as the connector admits them), the pool (`pool` setup) as the shared tier, a
-    replica's
-    prefill and decode at the speeds its run measured (Dynamo's load terms weigh a replica's queue and its
-    running requests)."""
+    request's blocks tail first, as kvtier's tiers refresh them), the pool (`pool` setup) as the shared tier, a
+    replica's prefill and decode at the speeds its run measured (Dynamo's load terms weigh a replica's queue and
+    its running requests). `root_first_tiers`: the tiers take a request's blocks root first, as kvtier's
+    connector admitted them before its tiers went tail first (the runs recorded in `tests/sim/data`)."""
     from kvtier.bench.servers import BLOCK_TOKENS
     from kvtier.sim.cluster import ClusterConfig
     from kvtier.sim.replay import replay
@@ -460,7 +461,7 @@ def simulate(trace_path: Path, policy: str, setup: str, *, device_blocks: int, p
                            pool_tokens=large if setup == "pool" else 0,
                            block_tokens=BLOCK_TOKENS, flops_per_token=1.0, gpu_flops=prefill_tokens_per_s, mfu=1.0,
                            kv_bytes_per_token=KV_BYTES_PER_TOKEN, decode_s_per_token=decode_s_per_token,
-                           root_first_tiers=True)  # kvtier's connector admits a request's blocks in prompt order
+                           root_first_tiers=root_first_tiers)
     result = replay(read_trace(trace_path, BLOCK_TOKENS), config, _sim_router(policy))
     return {"router": _sim_router(policy), "prefix_hit_rate": result.hit_rate,
             "requests_per_replica": result.requests_by_node}

@@ -11,12 +11,13 @@ holds), the same class and eviction order the real DRAM/SSD tiers use. Policy, p
   lower tier; blocks HBM evicts are demoted to each lower tier that lacks them; a lower tier's own
   evictions are dropped. `back`: only HBM gets new blocks; each tier's evictions go one tier down
   (HBM -> DRAM -> pool -> SSD) and the last tier's are dropped;
-- recency: a request's blocks are refreshed tail first, so its first block ends most recent and LRU
-  evicts leaves of the prefix tree before their roots (vLLM's free-queue order: an evicted root would
-  strand every block after it). `root_first_tiers`: the tiers below HBM take them root first instead, as
-  kvtier's vLLM connector admits and touches a request's blocks in prompt order, so those tiers evict a
-  prefix's root before its leaves and strand the chain (`kvtier bench route` with a bounded `shm:` tier
-  measured it: 43-44% hits where tail first predicts 53-55%, `docs/benchmarks/route.md`).
+- recency: a request's blocks are refreshed tail first (`kvtier.lru.tail_first`, as kvtier's own tiers do),
+  so its first block ends most recent and LRU evicts leaves of the prefix tree before their roots (vLLM's
+  free-queue order: an evicted root would strand every block after it). `root_first_tiers`: the tiers below
+  HBM take them root first instead, as kvtier's vLLM connector admitted and touched a request's blocks
+  before its tiers went tail first, so those tiers evicted a prefix's root before its leaves and stranded
+  the chain (`kvtier bench route` with a bounded `shm:` tier measured it: 43-44% hits where tail first
+  predicts 53-55%, `docs/benchmarks/route.md`); the recorded runs in `tests/sim/data` are modelled so.
 
 Not modelled: blocks pinned by running requests, HBM held by decode, cache updates taking time.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.errors import UserError
-from kvtier.lru import LRUIndex
+from kvtier.lru import LRUIndex, tail_first
 from kvtier.sim.trace import BLOCK_TOKENS, Request
 
 TIERS = ("hbm", "dram", "pool", "ssd")
@@ -54,7 +55,8 @@ class ClusterConfig:
     pool_tokens: int = 0
     ssd_tokens: int = 0
     write_policy: str = "through"
-    root_first_tiers: bool = False         # the tiers below HBM refresh a request's blocks root first (see above)
+    root_first_tiers: bool = False         # the tiers below HBM refresh a request's blocks root first (kvtier before
+                                           # its tiers went tail first; see above)
     block_tokens: int = BLOCK_TOKENS
     kv_bytes_per_token: float = 131072.0   # llama-3.1-8b, bf16, all ranks together
     flops_per_token: float = 16.06e9       # llama-3.1-8b: 2 x 8.03e9 params
@@ -158,10 +160,10 @@ class Cluster:
                     self._write_lower(stack, request, i)
                 elif tiers[i] > 0:
                     stack[tiers[i]].touch(request.hash_ids[i])
-            for i in range(len(request.hash_ids) - 1, -1, -1):
+            for i in tail_first(range(len(request.hash_ids))):
                 self._store(stack, 0, request.hash_ids[i], request.block_tokens(i, self.config.block_tokens))
             return
-        for i in range(len(request.hash_ids) - 1, -1, -1):  # tail first: see the module docstring
+        for i in tail_first(range(len(request.hash_ids))):  # see the module docstring
             key = request.hash_ids[i]
             if i < num_hits and tiers[i] > 0:
                 stack[tiers[i]].touch(key)  # may be gone already: an earlier store's demotions evicted it

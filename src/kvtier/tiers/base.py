@@ -59,6 +59,8 @@ class Tier(Protocol):
     def num_leased(self) -> int: ...
     # Optional (file tiers: SSD, shm): `lease_layers(keys)` -> a `tiers.ranged.RangedRead` (or None) each,
     # read in pieces layer by layer, leased until release (`TierManager.stream_layers`).
+    # Optional (tiers with an LRU of their own: DRAM, SSD, shm): `touch_many(keys)` refreshes a request's blocks
+    # (root first) tail first (`kvtier.lru`); the manager calls it after a read that came in chunks.
     # Evicted blocks, LRU first: (key, data), or (key, None) for a block `placed_below` said a lower
     # tier holds (nothing to demote, nothing copied out).
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]: ...

@@ -3,9 +3,9 @@
 A block is written to a temporary file, fsynced and linked into place (atomic, and only where the
 name is free: a block in place is never overwritten), so a crash never leaves a half-written block
 under a real name; the header checksum catches anything else. On open the directory is scanned:
-yesterday's blocks are found again, in mtime order (a read stamps the blocks it returns, so that
-order is use order, not write order), and a crash's leftover temporary files are removed; files
-that are not ours are left alone. A block another live process wrote into the same directory after
+yesterday's blocks are found again, in mtime order (a write or read stamps its blocks, a request's tail
+first as the index refreshes them, `kvtier.lru`: that order is use order), and a crash's leftover
+temporary files are removed; files that are not ours are left alone. A block another live process wrote into the same directory after
 our scan is adopted on first lookup.
 
 A full (ENOSPC) or read-only disk turns the tier's writes off (`health.writable`), not its reads:
@@ -55,7 +55,7 @@ from pathlib import Path
 
 from kvtier.errors import UserError
 from kvtier.executor import Tasks
-from kvtier.lru import LRUIndex
+from kvtier.lru import LRUIndex, tail_first
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers
 from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
@@ -227,13 +227,20 @@ class DiskTier:
             os.close(fd)  # drops the lock
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
-        return [self._holds(key) for key in keys]
+        # tail first: a block adopted (or resized) here is inserted anew, and a request's root ends most recent
+        return tail_first([self._holds(key) for key in tail_first(keys)])
 
     def pin_many(self, keys: list[bytes]) -> list[bool]:
         """`contains_many`, each held block kept from eviction until `unpin` — this process's and every
-        other's (a shared flock on its file). A file that goes anyway (removed by hand; a process
-        past its open-files budget pins in its own index only) makes the read a miss: recomputed."""
-        return [self._holds(key) and self._pin(key) for key in keys]
+        other's (a shared flock on its file) — and refreshed (a use), tail first. A file that goes anyway
+        (removed by hand; a process past its open-files budget pins in its own index only) makes the read
+        a miss: recomputed."""
+        return tail_first([self._holds(key) and self._pin(key) for key in tail_first(keys)])
+
+    def touch_many(self, keys: list[bytes]) -> None:
+        """Refresh a request's blocks (root first) tail first: the manager, after a read that came in chunks."""
+        with self._index_lock:
+            self._lru.touch_many(keys)
 
     def _pin(self, key: bytes) -> bool:
         """Pinned for a load: a use (the owner of a directory a worker reads sees no read of its own)."""
@@ -331,9 +338,11 @@ class DiskTier:
         self._evict(victims)
         return held
 
-    def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]] | None:
-        """Index `key` (under the index lock); its victims are in flux until `_evict` removed their files."""
-        victims = self._lru.insert(key, size, pinned=self._in_flux | self._pins.keys() if self._pins else self._in_flux)
+    def _insert(self, key: bytes, size: int, batch: set[bytes] = frozenset()) -> list[tuple[bytes, int]] | None:
+        """Index `key` (under the index lock), evicting neither a pinned block nor one of `batch` (the call's
+        other blocks: a chain longer than the tier keeps its first ones); its victims are in flux until
+        `_evict` removed their files."""
+        victims = self._lru.insert(key, size, pinned=self._in_flux.union(self._pins, batch))
         self._in_flux.update(victim for victim, _ in victims or [])
         return victims
 
@@ -370,16 +379,17 @@ class DiskTier:
     def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
         """Index blocks another process is about to write here (their size as `size_bytes`, corrected
         by the first lookup that finds the file), evicting to make room as a write would; whether each
-        is indexed (not: everything else is pinned, or it made room for a later one of `keys`). Until
-        their files land, lookups find them missing."""
+        is indexed (not: everything else is pinned or one of `keys`, which never evict each other: a chain
+        longer than the tier keeps its first blocks). Refreshed tail first (`kvtier.lru`). Until their files
+        land, lookups find them missing."""
         victims: list[tuple[bytes, int]] = []
+        batch = set(keys)
         with self._index_lock:
             for key in keys:
-                if key in self._lru:
-                    self._lru.touch(key)
-                elif key not in self._in_flux:
-                    victims += self._insert(key, size_bytes) or []
+                if key not in self._lru and key not in self._in_flux:
+                    victims += self._insert(key, size_bytes, batch) or []
             admitted = [key in self._lru for key in keys]
+            self._lru.touch_many(keys)
         self._evict(victims)
         return admitted
 
@@ -532,21 +542,17 @@ class DiskTier:
         """Bookkeeping shared by both reads: recency (a block another process wrote is adopted now,
         its size known from the read), stamps, lost files, counters."""
         hit_keys = [key for key, data in zip(keys, out) if data is not None]
-        adopt = []
         with self._index_lock:
-            for key, data in zip(keys, out):
-                if data is None:
-                    continue
-                if key in self._lru:
-                    self._lru.touch(key)
-                elif key not in self._in_flux:
-                    adopt.append((key, len(data)))
+            adopt = [(key, len(data)) for key, data in zip(keys, out)
+                     if data is not None and key not in self._lru and key not in self._in_flux]
         if adopt and self.health.writable:  # as `_adopt`: a disk that takes no writes adopts nothing
             for key, size in adopt:
                 with self._index_lock:  # the file checked under the lock: an eviction of it is in flux or done
                     fresh = key not in self._in_flux and key not in self._lru and self._path(key).exists()
-                    victims = (self._insert(key, size) or []) if fresh else []
+                    victims = (self._insert(key, size, set(hit_keys)) or []) if fresh else []
                 self._evict(victims)
+        with self._index_lock:  # a read is a use: tail first
+            self._lru.touch_many(hit_keys)
         if stamp:
             self._stamp([self._path(key) for key in hit_keys])
         for key, data in zip(keys, out):
@@ -568,34 +574,42 @@ class DiskTier:
 
     @staticmethod
     def _stamp(paths: list[Path]) -> None:
-        """Reads are use: set the mtime of the blocks just read (in read order, a nanosecond apart)
-        so the LRU order rebuilt at the next start is use order. One metadata update per block."""
+        """Writes and reads are use: set the mtime of a request's blocks (root first) a nanosecond apart, tail
+        first as the index refreshes them, so the LRU order rebuilt at the next start is use order. One
+        metadata update per block."""
         now_ns = time.time_ns()
-        for i, path in enumerate(paths):
+        for i, path in enumerate(tail_first(paths)):
             try:
                 os.utime(path, ns=(now_ns + i, now_ns + i))
             except OSError:
                 pass  # a read-only disk keeps its old order
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """Write blocks; evicted blocks are deleted (the SSD is the last tier), so none are returned."""
+        """Write blocks, most valuable first (a request's in prompt order, root first: stored events name a
+        parent before its children); evicted blocks are deleted (the SSD is the last tier), so none are
+        returned. The batch's blocks never evict each other (a chain longer than the tier keeps its first
+        ones) and are refreshed, and stamped, tail first (`kvtier.lru`)."""
         start = time.perf_counter()
+        batch = {key for key, _ in items}
         for key, data in items:
             if not self.health.writable:
                 break  # the disk filled up mid-batch
-            self._put(key, data)
+            self._put(key, data, batch)
+        keys = [key for key, _ in items]
+        with self._index_lock:
+            self._lru.touch_many(keys)
+        self._stamp([self._path(key) for key in keys])
         self.stats.write_seconds += time.perf_counter() - start
         return []
 
-    def _put(self, key: bytes, data: bytes) -> None:
+    def _put(self, key: bytes, data: bytes, batch: set[bytes]) -> None:
         with self._index_lock:
             self._max_block_bytes = max(self._max_block_bytes, len(data))
             if key in self._lru:
-                self._lru.touch(key)
-                return
+                return  # refreshed with its batch
             if key in self._in_flux:
                 return  # its old file is being removed (a lookup's eviction): skip it this time
-            victims = self._insert(key, len(data))
+            victims = self._insert(key, len(data), batch)
             if victims is None:
                 return  # larger than the whole tier
             self._in_flux.add(key)
@@ -716,7 +730,7 @@ class DiskStore(DiskTier):
                 return False
         return self._path(key).exists()
 
-    def _insert(self, key: bytes, size: int) -> list[tuple[bytes, int]]:
+    def _insert(self, key: bytes, size: int, batch: set[bytes] = frozenset()) -> list[tuple[bytes, int]]:
         return []  # nothing indexed, nothing evicted: the owner's index decides
 
     def delete(self, key: bytes) -> bool:

@@ -1,9 +1,9 @@
 """Host DRAM tier: one preallocated arena of fixed-size slots (pinned when CUDA is present).
 
 Metadata only in Python: `key_to_slot` and a free-slot stack of ints, slot lengths in a numpy
-array, recency in the shared `LRUIndex`. Payload bytes live in the arena tensor. A mutex covers each
-block's bookkeeping and copy (memory-speed work), so the manager's reader and writer may call at the
-same time and neither waits longer than one block copy.
+array, recency in the shared `LRUIndex` (a request's blocks refreshed tail first: `kvtier.lru`). Payload
+bytes live in the arena tensor. A mutex covers each block's bookkeeping and copy (memory-speed work), so
+the manager's reader and writer may call at the same time and neither waits longer than one block copy.
 
 Zero-copy reads: `lease_many(keys)` hands out read-only views of the slots themselves and pins
 them until `release(keys)`, so the reader verifies and decodes straight from the arena and copies
@@ -74,7 +74,7 @@ class HostTier:
         self._pins = Leases()    # slots pinned by a lookup a load will follow (`pin_many`), by key
         self._below = np.zeros(self.num_slots, dtype=bool)  # a lower tier holds the slot's block too
         self._orphans: set[int] = set()             # pinned slots whose key was deleted meanwhile
-        self.num_dropped_puts = 0                   # every slot pinned: nothing to evict
+        self.num_dropped_puts = 0                   # every slot pinned (or its batch's own): nothing to evict
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
@@ -128,7 +128,6 @@ class HostTier:
                 slot = self._key_to_slot.get(key)
                 data = None
                 if slot is not None:
-                    self._lru.touch(key)
                     if lease:
                         self._slot_pins[slot] += 1
                         self._leases.add(key, slot)
@@ -141,8 +140,15 @@ class HostTier:
                 self.stats.hits += 1
                 self.stats.bytes_read += len(data)
             out.append(data)
+        with self._lock:  # a read is a use: the blocks read, tail first
+            self._lru.touch_many([key for key, data in zip(keys, out) if data is not None])
         self.stats.read_seconds += time.perf_counter() - start
         return out
+
+    def touch_many(self, keys: list[bytes]) -> None:
+        """Refresh a request's blocks (root first) tail first: the manager, after a read that came in chunks."""
+        with self._lock:
+            self._lru.touch_many(keys)
 
     def release(self, keys: list[bytes]) -> None:
         """End the leases `lease_many` gave out for `keys` (one each): their slots may move again."""
@@ -181,10 +187,10 @@ class HostTier:
                     if slot is not None and placed_below:
                         self._below[slot] = True
                 if slot is not None:
-                    self._lru.touch(key)
                     self._slot_pins[slot] += 1
                     self._leases.add(key, slot)
                 slots.append(slot)
+            self._lru.touch_many([key for (key, _), slot in zip(items, slots) if slot is not None])
         return slots, evicted
 
     def _checked_slot(self, key: bytes) -> int | None:
@@ -211,26 +217,31 @@ class HostTier:
         return rows[:, HEADER_BYTES // itemsize:HEADER_BYTES // itemsize + numel].unflatten(1, shape)
 
     def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]:
-        """Store blocks; returns the evicted, least recently used first: (key, data), or (key, None)
-        for a block a lower tier holds (`placed_below`): nothing copied out for it."""
+        """Store blocks, most valuable first (a request's in prompt order, root first); returns the evicted,
+        least recently used first: (key, data), or (key, None) for a block a lower tier holds
+        (`placed_below`): nothing copied out for it. Stored in order (stored events: a parent before its
+        children) and never evicting each other (a chain longer than the tier keeps its first blocks), then
+        refreshed tail first (`kvtier.lru`)."""
         start = time.perf_counter()
         evicted: list[tuple[bytes, bytes | None]] = []
+        batch = {key for key, _ in items}
         for key, data in items:
             if len(data) > self.slot_bytes:
                 self._oversize(len(data))
                 continue
             with self._lock:
-                if key in self._key_to_slot:
-                    self._lru.touch(key)
-                else:
-                    evicted += self._put(key, data)
+                if key not in self._key_to_slot:
+                    evicted += self._put(key, data, batch)
+        with self._lock:
+            self._lru.touch_many([key for key, _ in items])
         self.stats.write_seconds += time.perf_counter() - start
         return evicted
 
-    def _put(self, key: bytes, data: bytes) -> list[tuple[bytes, bytes | None]]:
+    def _put(self, key: bytes, data: bytes, batch: set[bytes] = frozenset()) -> list[tuple[bytes, bytes | None]]:
+        """`key` into a free or evicted slot; never evicts a leased or pinned block, nor one of `batch`."""
         evicted = []
-        victims = self._lru.insert(key, 1, pinned=self._leases.keys() | self._pins.keys())
-        if victims is None:  # every slot is leased out
+        victims = self._lru.insert(key, 1, pinned=self._leases.keys() | self._pins.keys() | batch)
+        if victims is None:  # every slot is leased, pinned or taken by the batch's earlier blocks
             self.num_dropped_puts += 1
             return evicted
         for victim, _ in victims:

@@ -489,6 +489,7 @@ class TierManager:
         it), off the reader's path — a layerwise load writes its first layer without waiting for DRAM;
         end the prefix's own leases (or hand them to `hold`), those the promotion reads once it has too."""
         kept = set(range(kept)) if isinstance(kept, int) else set(kept)  # a prefix, or any blocks (stream_layers)
+        self._refresh(match, got, sorted(kept))
         promoted = [i for i in sorted(kept) if got.source[i] > 0]
         ours = _by_tier((tier, match.keys[i]) for i, tier in got.leased.items() if i in kept and got.source[i] == 0)
         read_by_promotion = _by_tier((got.leased[i], match.keys[i]) for i in promoted if i in got.leased)
@@ -506,6 +507,13 @@ class TierManager:
         else:
             release(list(ours.values()))
             shared.release([])
+
+    def _refresh(self, match: PrefixMatch, got: _Fetched, kept: list[int]) -> None:
+        """A read in chunks refreshed each chunk after the one before: refresh the blocks read (root first) in
+        the tiers that served them, tail first, so the root ends most recent (`kvtier.lru`)."""
+        for tier, keys in _by_tier((self.tiers[got.source[i]], match.keys[i]) for i in kept).values():
+            if hasattr(tier, "touch_many"):  # the tiers with an LRU of their own (pools evict by themselves)
+                self._guarded(tier, "touch", lambda t=tier, ks=keys: t.touch_many(ks), None)
 
     def _promote(self, items: list[tuple[bytes, bytes | memoryview]], shared: "_SharedLeases") -> None:
         try:

@@ -17,6 +17,8 @@ import logging
 import queue
 import threading
 
+from kvtier.lru import tail_first
+
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +85,8 @@ class WriteBack:
                 self._queue.task_done()
 
     def _write(self, items: list[tuple[bytes, bytes]], through: bool) -> None:
+        if not through:  # evicted least recent first; a put takes the most valuable first (a chain root first)
+            items = tail_first(items)
         keys = [k for k, _ in items]
         placed = False
         for tier in self.tiers[1:]:

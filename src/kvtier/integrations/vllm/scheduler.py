@@ -11,7 +11,9 @@ and delete files. A step's saves are admitted into the index when they are sent 
 room; a block not written yet is a miss until its file lands); the keys evicted go to the workers in
 the step's records (`StepRecords.deletes`); the blocks a load will read are pinned from allocation until
 the worker reports the load done (`loaded_from`), so neither this index nor any other process's
-(`DiskTier` pins are file locks) deletes them meanwhile.
+(`DiskTier` pins are file locks) deletes them meanwhile. A request's blocks are refreshed tail first
+(`kvtier.lru`): a load's pins, and each step that sends blocks down refreshes the request's whole chain
+after admitting them, so its root stays the most recent and a full directory evicts chains from their tails.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ class SchedulerSide:
         self._admit_promotions(plan.keys, plan.tiers)
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
-        """The files of `keys`: every rank's shard of each block."""
-        return [k for rank in range(self.world_size) for k in shard_keys(keys, rank, self.world_size)]
+        """The files of `keys`: every rank's shard of each block, block by block (a chain, as the directories
+        refresh it: a block's shards go together)."""
+        shards = [shard_keys(keys, rank, self.world_size) for rank in range(self.world_size)]
+        return [shard[i] for i in range(len(keys)) for shard in shards]
 
     def _pin(self, req_id: str, keys: list[bytes], tiers: list[str]) -> None:
         """Keep the blocks a load will read from eviction (ours and any other process's) until it is done."""
@@ -148,24 +152,29 @@ class SchedulerSide:
         for tier, files in self._pins.pop(req_id, []):
             tier.unpin(files)
 
-    def _admit(self, saves: list[SaveSpec]) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
-        """Index the blocks sent down this step in each directory: the saves of the blocks some directory
+    def _admit(self, saves: list[SaveSpec], chains: list[list[bytes]]
+               ) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
+        """Index the blocks sent down this step in each directory, then refresh the `chains` (each saving
+        request's blocks so far, root first) tail first: the saves of the blocks some directory
         took (one no index has room for — all of it pinned — is not written: a future miss), and the files
         that evicted (and lookups' adoptions) for the workers to delete. A block one directory could not
         keep but another did is written to both (the worker writes through to every tier): outside the
         first one's index, until a lookup adopts it — a step that sends more blocks than a directory holds."""
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
-        files = self._rank_keys(keys)  # rank-major: files[rank * len(keys) + i] is rank's shard of keys[i]
+        files = self._rank_keys(keys)  # files[i * world_size + rank] is rank's shard of keys[i]
+        ws = self.world_size
         taken_by = [0] * len(keys)  # per block: in how many directories every rank's file was admitted
         deletes = {}
         for name, tier in self._directories.items():
             try:
                 admitted = tier.admit(files, self._block_bytes) if files else []
+                for chain in chains if files else []:
+                    tier.touch_many(self._rank_keys(chain))
                 evicted = tier.take_deletes()
             except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
                 log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
                 admitted, evicted = [False] * len(files), []
-            every_rank = [all(admitted[i::len(keys)]) for i in range(len(keys))] if admitted else []
+            every_rank = [all(admitted[i * ws:(i + 1) * ws]) for i in range(len(keys))] if admitted else []
             taken_by = [n + ok for n, ok in zip(taken_by, every_rank)]
             if evicted:
                 deletes[name] = evicted
@@ -182,6 +191,7 @@ class SchedulerSide:
 
     def build_records(self, num_scheduled_tokens: dict[str, int], block_ids_of) -> StepRecords:
         """This step's loads, and the blocks that are full and computed once it ran (prompt and output)."""
+        chains = []  # the saving requests' blocks so far, refreshed once admitted
         for req_id, num_new in num_scheduled_tokens.items():
             request = self._requests.get(req_id)
             if request is None:
@@ -191,13 +201,14 @@ class SchedulerSide:
             num_full = min(request.num_computed_tokens + num_new, len(tokens)) // self.block_tokens
             if num_full <= tracker.num_saved_blocks:
                 continue
-            keys = tracker.keys_for(tokens, num_full)[tracker.num_saved_blocks:]
+            chains.append(tracker.keys_for(tokens, num_full))
+            keys = chains[-1][tracker.num_saved_blocks:]
             ids = block_ids_of(req_id)[tracker.num_saved_blocks:num_full]
             self._records.saves.append(SaveSpec(req_id, keys, ids))
             if self.on_blocks is not None:
                 self.on_blocks(request, tracker.num_saved_blocks, keys, None)
             tracker.num_saved_blocks = num_full
-        self._records.saves, self._records.deletes = self._admit(self._records.saves)
+        self._records.saves, self._records.deletes = self._admit(self._records.saves, chains)
         records, self._records = self._records, StepRecords()
         return records
 
