@@ -14,11 +14,14 @@ What the consumer offers, measured against NVIDIA Dynamo 1.6.1's selection servi
 stream (`--kv-events-config`) and publishes, per replica, that stream unchanged plus the `SHARED`-medium
 `BlockStored` / `BlockRemoved` of every other replica on the pool. The selector subscribes to the relay's
 endpoints instead of the replicas'. A block the pool evicted or lost is announced removed by a replica that
-announced it, when that replica finds it gone (a lookup or a load: `tiers/pool.py`): relayed, it is a miss
-for all. Until some replica looks, the index still counts it (the pool says nothing when it evicts), and a
-request routed on it recomputes the block and puts it back. The relay numbers its own batches (from 0, as
-vLLM does) and answers replay requests for the last `buffer_steps` of each stream at `replay_endpoints[i]`
-(vLLM's protocol: a selector that missed batches asks for them by number).
+announced it, and relayed it is a miss for all: Redis says when it evicts (its keyspace notifications, which
+each replica's Redis tier hears: `tiers/redis_removals.py`); Mooncake says nothing, so there the replica
+announces it when it finds it gone (a lookup or a load: `tiers/pool.py`), and until some replica looks the
+index still counts it and a request routed on it recomputes the block. Only a replica can name the block:
+the pool's key is kvtier's (a chain over the model, layout, codec, tenant and tokens), the event's hash is
+vLLM's, and only the replica's tracker (`events/tracker.py`) joins the two. The relay numbers its own
+batches (from 0, as vLLM does) and answers replay requests for the last `buffer_steps` of each stream at
+`replay_endpoints[i]` (vLLM's protocol: a selector that missed batches asks for them by number).
 """
 
 from __future__ import annotations

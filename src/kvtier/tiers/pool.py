@@ -1,7 +1,10 @@
 """What the two pooled-memory tiers (Mooncake Store, Redis) share: a remote key-value service that
 many servers use at once, so one server's prefix serves another.
 
-The service owns capacity and eviction (`capacity_bytes` is None). A backend only says how to
+The service owns capacity and eviction (`capacity_bytes` is None). A watched tier announces a block gone
+when the service says it let it go (Redis's keyspace notifications: `redis_removals.py`), else at the
+tier's next miss of it (Mooncake says nothing, and its existence query renews a lease: asking in the
+background would keep alive what it asks about). A backend only says how to
 connect, test, read, write and remove; this class turns every failure into a counted error and
 turns the tier's reads and writes off (`health.fail`) — the manager then skips it — and
 `reconnect()` (the manager's background probe) builds a fresh connection. A refused write on a full
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvtier.tiers.base import TierStats
@@ -48,6 +52,23 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+class Removals(Protocol):
+    """The service's own notifications of keys that left it (Redis: `tiers/redis_removals.py`)."""
+
+    def start(self, on_removed: Callable[[list[str]], None]) -> None: ...  # calls it from a thread of its own
+    def close(self) -> None: ...
+
+
+def key_of(name: str) -> bytes | None:
+    """The block key a pool key names (`PoolTier._names` inverted); None for a key not kvtier's block."""
+    if not name.startswith(KEY_PREFIX):
+        return None
+    try:
+        return bytes.fromhex(name[len(KEY_PREFIX):])
+    except ValueError:
+        return None
+
+
 class PoolTier:
     capacity_bytes = None
     in_process = False  # the blocks crossed the network: full payload proof
@@ -55,11 +76,13 @@ class PoolTier:
     # (two of 8 for a 16-block prefix) restored 3-8% faster than gets of 4 on 2026-12-06 (docs/benchmarks/pools.md),
     # the second get still overlapping the first's verify and copies.
     stream_chunk_blocks = 8
-    events: TierEvents | None = None  # `TierManager.watch()`: what lands and leaves, announced
 
-    def __init__(self, name: str, backend: Backend, *, connect: bool = True) -> None:
+    def __init__(self, name: str, backend: Backend, *, connect: bool = True, removals: Removals | None = None) -> None:
         self.name = name
         self.backend = backend
+        self._events: TierEvents | None = None
+        self._removals = removals  # started when watched: the service says what left it
+        self._removals_started = False
         self.stats = TierStats()
         self.health = TierHealth(name)
         self._written_bytes = 0
@@ -69,6 +92,23 @@ class PoolTier:
             self.health.fail("not connected yet")
         elif (problem := self._connect()) is not None:
             self.health.fail(f"connect failed: {problem}")
+
+    @property
+    def events(self) -> TierEvents | None:
+        """`TierManager.watch()`'s log: what lands and leaves, announced."""
+        return self._events
+
+    @events.setter
+    def events(self, log: TierEvents | None) -> None:
+        self._events = log
+        if log is not None and self._removals is not None and not self._removals_started:
+            self._removals_started = True
+            self._removals.start(self._removed)
+
+    def _removed(self, names: list[str]) -> None:
+        """The service says these keys left it (evicted, expired, deleted by anyone): announced now (a
+        watcher ignores blocks it never saw stored). Runs on the watcher's thread."""
+        announce_removed(self, [key for key in map(key_of, names) if key is not None])
 
     @staticmethod
     def _names(keys: list[bytes]) -> list[str]:
@@ -90,8 +130,8 @@ class PoolTier:
         return held
 
     def _announce_missing(self, keys: list[bytes], found: list) -> None:
-        """The service evicts on its own and says nothing: a block we wrote is known gone at its next
-        miss (a watcher ignores misses of blocks it never saw stored)."""
+        """A service that evicts without saying so (Mooncake; a Redis that refused its notifications): a
+        block we wrote is known gone at its next miss (a watcher ignores misses of blocks it never saw stored)."""
         if self.events is not None:
             announce_removed(self, [key for key, got in zip(keys, found) if not got])
 
@@ -213,6 +253,8 @@ class PoolTier:
         return None
 
     def close(self) -> None:
+        if self._removals is not None:
+            self._removals.close()
         try:
             self.backend.close()
         except PoolError:

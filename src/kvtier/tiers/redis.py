@@ -3,7 +3,8 @@ doing the eviction. Start a server for it with
 
     redis-server --bind 127.0.0.1 --port 6379 --maxmemory 8gb --maxmemory-policy allkeys-lru --save ''
 
-and use the tier spec `redis://127.0.0.1:6379/0`.
+and use the tier spec `redis://127.0.0.1:6379/0`. A tier whose events are watched turns on the server's
+keyspace notifications of evicted keys itself (`redis_removals.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import redis as redis_client
 
 from kvtier.tiers.pool import PoolError, PoolTier
+from kvtier.tiers.redis_removals import RedisRemovals
 
 TIMEOUT_S = 2.0
 
@@ -81,4 +83,5 @@ class RedisBackend:
 
 
 def redis_tier(url: str, *, connect: bool = True) -> PoolTier:
-    return PoolTier("redis", RedisBackend(url), connect=connect)
+    """Watched, the tier announces a block Redis evicts when Redis says so (`redis_removals.py`)."""
+    return PoolTier("redis", RedisBackend(url), connect=connect, removals=RedisRemovals(url))
