@@ -154,10 +154,20 @@ def test_engine_tokens_whichever_path_each_sequence_takes(tiny_model, tiny_promp
         assert (True, True) in paths  # a step with both a kernel and a gathered part
 
 
-def test_a_decode_beside_a_long_prefill_equals_the_reference(tiny_model, tiny_prompts):
-    # the long chunk goes the gather path, the decodes through the kernel, in one step
+def test_a_decode_beside_a_long_prefill_equals_the_reference(tiny_model, tiny_prompts, monkeypatch):
+    # by default a 64-query prefill chunk and the decodes beside it are one kernel call per layer, nothing gathered
     engine = make_engine(tiny_model, 64, max_prefill_tokens=64)
-    assert engine.runner.backend.gather_min_queries == attention.GATHER_MIN_QUERIES
+    backend = engine.runner.backend
+    assert backend.gather_min_queries is attention.GATHER_MIN_QUERIES is None
+    steps = []
+    begin = backend.begin_step
+
+    def recording(meta):
+        begin(meta)
+        steps.append((sorted(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])),
+                      backend._paged is not None and len(backend._paged.query_lens) == meta.num_seqs,
+                      bool(backend._seqs)))
+    monkeypatch.setattr(backend, "begin_step", recording)
     long_prompt = (tiny_prompts[2] * 3)[:100]
     engine.add_request("short", tiny_prompts[0], SamplingParams(max_tokens=12))
     outputs: dict[str, list[int]] = {}
@@ -170,3 +180,5 @@ def test_a_decode_beside_a_long_prefill_equals_the_reference(tiny_model, tiny_pr
             break
     assert outputs == {"short": reference(tiny_model.model, tiny_prompts[0], 12),
                        "long": reference(tiny_model.model, long_prompt, 6)}
+    assert ([1, 64], True, False) in steps  # a decode and a 64-query chunk, all through the kernel
+    assert all(kernel and not gathered for _, kernel, gathered in steps)

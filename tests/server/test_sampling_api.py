@@ -106,7 +106,12 @@ def test_streamed_logprobs_equal_the_whole_response(tiny_server):
     whole_chat = post(url, "/v1/chat/completions", chat)["choices"][0]
     streamed = [item for c in sse(url, "/v1/chat/completions", chat) if c["choices"] and c["choices"][0]["logprobs"]
                 for item in c["choices"][0]["logprobs"]["content"]]
-    assert streamed == whole_chat["logprobs"]["content"]
+    # the same tokens; the logprobs to float rounding: the second request's prompt comes from the prefix cache, so its
+    # last rows are computed in a smaller step, whose linears take the few-rows kernel (another summation order)
+    assert [t["token"] for t in streamed] == [t["token"] for t in whole_chat["logprobs"]["content"]]
+    def numbers(items):
+        return [x for t in items for x in (t["logprob"], *(top["logprob"] for top in t["top_logprobs"]))]
+    assert numbers(streamed) == pytest.approx(numbers(whole_chat["logprobs"]["content"]), rel=1e-5, abs=1e-6)
 
 
 def test_vllm_prompt_logprobs(tiny_server, tiny_model):

@@ -8,11 +8,10 @@ metadata); each attention layer calls `paged_attention`, which hands it to the s
 (`kvtier.engine.arena`: raw or quantized).
 
 - `PagedBackend` (a raw arena on the CPU, when `paged_kernel` could be built): one call per layer of
-  `paged_kernel.paged_attention` over the step's decodes and short prefill chunks together, reading
-  keys and values where they sit in the arena (block tables, no gather). A prefill chunk of at least
-  `GATHER_MIN_QUERIES` queries goes through SDPA over its gathered context instead (torch's CPU flash
-  kernel is faster there, and the gather costs one pass over the context for that many queries:
-  docs/benchmarks/engine-attention.md), and so does an offloaded sequence (`OffloadAttention`).
+  `paged_kernel.paged_attention` over the step's decodes and prefill chunks together, reading keys and
+  values where they sit in the arena (block tables, no gather). An offloaded sequence goes its own way
+  (`OffloadAttention`). Long prefill chunks went through SDPA over their gathered context until the kernel's
+  vectorized softmax made it faster for them too (`GATHER_MIN_QUERIES`, docs/benchmarks/engine-attention.md).
 - `SDPABackend` — correct on any device and for every arena — gathers each sequence's context at full
   precision and runs SDPA per sequence (a causal mask offset by the tokens already computed).
 
@@ -37,10 +36,11 @@ from kvtier.offload.attention import OffloadAttention, SeqOffload
 
 ATTN_IMPLEMENTATION = "kvtier_paged"
 
-# a prefill chunk of this many queries or more attends through SDPA over its gathered context: the CPU flash
-# kernel beats the paged kernel there, and the gather is one pass over the context for all those queries
-# (docs/benchmarks/engine-attention.md)
-GATHER_MIN_QUERIES = 64
+# a prefill chunk of this many queries or more attends through SDPA over its gathered context; None: none does.
+# Measured 2026-12-07 (docs/benchmarks/engine-attention.md): the kernel is 1.1-1.8x (fp32) and 1.9-3.4x (bf16) faster
+# than gather + SDPA for chunks of 64-512 queries at 0.5k-8k tokens, an 8k prompt's TTFT 23.3 vs 27.0 s. A knob
+# for tests and for a backend whose kernel is slower on long chunks.
+GATHER_MIN_QUERIES: int | None = None
 
 PAGED_CODECS = ("raw", "fp8", "int8")  # arenas the paged kernel reads (`arena.paged_kv`)
 
@@ -159,13 +159,13 @@ class PagedSeqs:
 
 
 class PagedBackend(SDPABackend):
-    """The arena read in place: the step's decodes and short prefill chunks in one `paged_kernel` call per
-    layer; long prefill chunks (`GATHER_MIN_QUERIES`) and offloaded sequences as `SDPABackend` does. A raw
+    """The arena read in place: the step's decodes and prefill chunks in one `paged_kernel` call per layer;
+    offloaded sequences (and prefill chunks of at least `gather_min_queries`, if set) as `SDPABackend` does. A raw
     arena is read where it is; fp8/int8 arenas from the step's blocks dequantized once per layer (as the
     gathers read them)."""
 
     def __init__(self, arena, offload: OffloadAttention | None = None,
-                 gather_min_queries: int = GATHER_MIN_QUERIES) -> None:
+                 gather_min_queries: int | None = GATHER_MIN_QUERIES) -> None:
         super().__init__(arena, offload)
         assert arena.codec in PAGED_CODECS and arena.device.type == "cpu", "the paged kernel reads CPU arenas"
         self.gather_min_queries = gather_min_queries
@@ -174,7 +174,9 @@ class PagedBackend(SDPABackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         loc, n = meta.query_start_loc, meta.num_seqs
         offloads = meta.offloads or [None] * n
-        gathered = [i for i in range(n) if offloads[i] is not None or loc[i + 1] - loc[i] >= self.gather_min_queries]
+        long = self.gather_min_queries
+        gathered = [i for i in range(n)
+                    if offloads[i] is not None or (long is not None and loc[i + 1] - loc[i] >= long)]
         paged_ids = sorted(set(range(n)) - set(gathered))
         self._begin(meta, gathered, paged_ids if self.arena.codec != "raw" else ())
         self._paged = None

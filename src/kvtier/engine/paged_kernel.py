@@ -18,14 +18,12 @@ one the engine keeps the gather path, `attention.SDPABackend`).
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvtier.engine.cpp_build import build
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -762,19 +760,7 @@ _state: dict[str, object] = {}
 
 
 def _build() -> bool:
-    from torch.utils.cpp_extension import load_inline
-
-    # -march=native: the build is this CPU's (and this torch's), so both name it in the cache
-    cpu = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(f"{_SOURCE}{torch.__version__}{cpu}".encode()).hexdigest()[:12]
-    try:
-        load_inline(f"kvtier_paged_{digest}", cpp_sources=_SOURCE, is_python_module=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-mprefer-vector-width=512"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as exc:  # noqa: BLE001 — no compiler, no ninja: the engine keeps the gather path
-        log.warning("kvtier's paged attention kernel could not be built (%s); attention gathers instead", exc)
-        return False
-    return True
+    return build("kvtier_paged", _SOURCE, "kvtier's paged attention kernel (attention gathers instead)")
 
 
 def available() -> bool:
