@@ -83,8 +83,10 @@ def test_a_pinned_block_outlives_the_dram_tiers_lru(pool):
     dram = pool.manager.tiers[0]
     slot = pool.pin(KEYS[0], lambda: CODEC.encode(BLOCKS[0], KEYS[0]))
     others = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(24)))  # 6 blocks of another prompt
-    pool.manager.put_many([(key, CODEC.encode(BLOCKS[3], key)) for key in others])  # 6 puts into 3 free slots
+    pool.manager.put_many([(key, CODEC.encode(BLOCKS[3], key)) for key in others[:3]])  # the 3 free slots
+    pool.manager.put_many([(key, CODEC.encode(BLOCKS[3], key)) for key in others[3:]])  # 3 more: evict unpinned ones
     assert dram.contains_many(KEYS[:1]) == [True] and dram.stats.evictions == 3
+    assert dram.contains_many(others) == [False] * 3 + [True] * 3
     assert torch.equal(pool.payloads(torch.float32, LAYOUT.block_shape)[slot], BLOCKS[0])
     pool.unpin(KEYS[:1])
     pool.manager.put_many([(key, CODEC.encode(BLOCKS[3], key)) for key in others[:4]])
