@@ -3,7 +3,7 @@
 Three measurements, each alternated over rounds, best (and median) reported:
 - `linear`: SmolLM2's per-layer weight shapes (q, k, v, o, gate, up, down of 30 layers, distinct buffers:
   425 MB, out of every cache) multiplied by M = 1, 2, 4, 8 rows through torch's `linear` and through kvtier's
-  few-rows kernel (`engine/few_rows_linear.py`), and a plain `sum` of the same weights (what reading them costs).
+  few-rows kernel (`engine/cpu_linear.py`), and a plain `sum` of the same weights (what reading them costs).
 - `prefill`: one sequence's prefill chunk (Q queries at a C-token context, 3 KV heads x 3, head dim 64, 64-token
   blocks scattered in an arena) through the paged kernel vs gathered + SDPA (`attention.GATHER_MIN_QUERIES`'s
   question), fp32 and bf16 KV.
@@ -11,6 +11,7 @@ Three measurements, each alternated over rounds, best (and median) reported:
 
     python scripts/decode_step_kernels.py linear prefill step
     PYTHONPATH=/tmp/wt-old/src python scripts/decode_step_kernels.py step   # another commit, side by side
+    KVTIER_CPU_LINEAR=0 python scripts/decode_step_kernels.py step          # torch's linear in the engine
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def best(fn, rounds: int) -> float:
 
 
 def linear(rounds: int) -> None:
-    from kvtier.engine import few_rows_linear as frl
+    from kvtier.engine import cpu_linear as frl
 
     assert frl.available(), "the few-rows kernel could not be built"
     torch.manual_seed(0)
@@ -103,8 +104,10 @@ def step(rounds: int, tokens: int = 8000, steps: int = 40) -> None:
     engine = LLMEngine(loaded, EngineConfig(device_kv_budget_bytes=(tokens // 64 + 4) * layout.block_bytes,
                                             block_tokens=64, max_num_seqs=1, prefix_caching=False))
     engine.add_request("a", ids, SamplingParams(temperature=0, max_tokens=steps + 2))
+    start = time.perf_counter()
     while not any(out.new_token_ids for out in engine.step()):
         pass  # the prefill
+    ttft = time.perf_counter() - start
     times = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         while engine.has_unfinished_requests():
@@ -113,8 +116,8 @@ def step(rounds: int, tokens: int = 8000, steps: int = 40) -> None:
             times.append(time.perf_counter() - start)
     engine.close()
     times.sort()
-    print(f"{tokens}-token context, {len(times)} decode steps: median {times[len(times) // 2] * 1e3:.1f} ms, "
-          f"best {times[0] * 1e3:.1f} ms")
+    print(f"{tokens}-token prompt: TTFT {ttft:.2f} s; {len(times)} decode steps: median "
+          f"{times[len(times) // 2] * 1e3:.1f} ms, best {times[0] * 1e3:.1f} ms")
     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:6]:
         print(f"  {e.key[:48]:48s} {e.self_cpu_time_total / 1e3 / len(times):7.2f} ms per step, "
               f"{e.count / len(times):5.1f} calls")

@@ -15,7 +15,7 @@ import torch
 from kvtier.blocks import KVLayout
 from kvtier.engine.arena import Arena
 from kvtier.engine.attention import AttentionMetadata, PagedStep, make_backend, paged_model
-from kvtier.engine.few_rows_linear import use_few_rows_linear
+from kvtier.engine.cpu_linear import use_cpu_linear
 from kvtier.offload.attention import OffloadAttention, SeqOffload, window_positions
 from kvtier.engine.sampler import Penalties, logprobs_of, process_logits, sample
 from kvtier.engine.scheduler import ScheduledChunk
@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, arena: Arena,
                  eos_token_ids: tuple[int, ...] = (), offload: OffloadAttention | None = None) -> None:
         self.model = paged_model(model)
-        use_few_rows_linear(self.model)  # a decode step's linears at the weights' bandwidth (CPU, fp32)
+        use_cpu_linear(self.model)  # the linears at the CPU's speed: a decode's at the weights' bandwidth (fp32)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.layout = layout

@@ -1,16 +1,18 @@
-"""The decode step's linear layers on the CPU at the speed of their weights.
+"""The engine's linear layers on the CPU at the speed of the machine, whatever BLAS torch was built with.
 
-A decode step multiplies a few rows (one per sequence) by every weight matrix of the model: `x [M, K] @ W[N, K]^T`
-with M of 1 to 8 reads all of W once and does two flops per weight, so it is bounded by memory bandwidth. torch's
-CPU `linear` hands it to BLAS (MKL in torch's x86 wheels), whose small-M path does not reach that bound everywhere:
-on the AMD EPYC (Zen 5) box of 2026-12-07 it read 15.4 GB/s where a plain sum of the same weights read 26-37 GB/s
-and OpenBLAS's gemv 41.7 GB/s (docs/benchmarks/engine-attention.md). This kernel reads each weight row once for
-all M rows (R rows of W at a time, R x M vector accumulators), the rows of W split over torch's intra-op threads (the
-forward's own OpenMP team: no second pool of threads beside it).
+torch's CPU `linear` (fp32) hands its GEMMs to MKL in torch's x86 wheels. On the AMD EPYC (Zen 5) box of 2026-12-07
+that path ran at about half of what the CPU does (docs/benchmarks/engine-attention.md), in both regimes a step has:
+- **A decode step** (one row per sequence, M <= `MAX_ROWS`): `x [M, K] @ W[N, K]^T` reads all of W once for two flops
+  per weight, so it is bounded by memory bandwidth. MKL's small-M path read the weights at 15-16 GB/s where a plain
+  sum of them read 26-37 GB/s. The C++ kernel here reads each weight row once for all M rows (R rows of W at a
+  time, R x M vector accumulators), W's rows split over torch's intra-op threads (the forward's own OpenMP team:
+  no second pool of threads beside it): 29-33 GB/s.
+- **A prefill step** (more rows): compute-bound; oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, what
+  torch's inductor and vLLM's CPU backend call, on the weight as it is: no packed copy) ran 2.2-2.4x MKL's.
 
-`FewRowsLinear` is `nn.Linear` with that path for fp32 CPU inputs of at most `MAX_ROWS` rows (a decode step's batch)
-and torch's own `linear` for everything else (prefill chunks, other dtypes, CUDA). The engine's model copy
-(`attention.paged_model`) takes it where the kernel could be built; the caller's model is untouched.
+`CpuLinear` is `nn.Linear` taking those two paths for fp32 CPU inputs; anything else (bf16, CUDA, training) is
+torch's own `linear`. The engine's model copy (`attention.paged_model`) takes it; the caller's model is untouched.
+`KVTIER_CPU_LINEAR=0` keeps torch's linear everywhere (for side-by-side runs).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from kvtier.engine.cpp_build import build
 
-MAX_ROWS = 8  # rows (tokens of the flat batch) up to which the kernel runs; above, torch's linear (compute-bound)
+MAX_ROWS = 8  # rows (tokens of the flat batch) up to which the few-rows kernel runs; above, oneDNN (compute-bound)
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -138,18 +140,20 @@ _state: dict[str, bool] = {}
 
 
 def available() -> bool:
-    """Whether the kernel is built (the first time: a few tens of seconds, then cached). `KVTIER_FEW_ROWS_LINEAR=0`
-    turns it off."""
-    if os.environ.get("KVTIER_FEW_ROWS_LINEAR", "1") == "0":
-        return False
+    """Whether the few-rows kernel is built (the first time: a few tens of seconds, then cached)."""
     with _lock:
         if "ok" not in _state:
             _state["ok"] = build("kvtier_linear", _SOURCE, "kvtier's few-rows linear kernel")
         return _state["ok"]
 
 
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's linear (x86 and aarch64 wheels do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for fp32 CPU tensors of at most `MAX_ROWS` rows (x [..., K]), by the kernel."""
+    """`F.linear(x, weight, bias)` for fp32 CPU tensors of 1 to `MAX_ROWS` rows (x [..., K]), by the kernel."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -158,26 +162,41 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-class FewRowsLinear(torch.nn.Linear):
-    """`nn.Linear` whose few-row fp32 CPU calls (a decode step) go through `few_rows_linear`."""
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for fp32 CPU tensors by oneDNN's matmul (weight [N, K] as it is)."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+class CpuLinear(torch.nn.Linear):
+    """`nn.Linear` whose fp32 CPU inference calls take `few_rows_linear` (at most `MAX_ROWS` rows, a decode step)
+    or `onednn_linear` (more rows); anything else torch's `linear`."""
+
+    few_rows = True  # set per class by `use_cpu_linear`: what this process could build
+    onednn = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and self.weight.stride(-1) == 1
-                and not (torch.is_grad_enabled() and self.weight.requires_grad)):
-            return few_rows_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and w.stride(-1) == 1
+                and x.numel() > 0 and not (torch.is_grad_enabled() and w.requires_grad)):
+            if self.few_rows and x.numel() <= MAX_ROWS * x.shape[-1]:
+                return few_rows_linear(x, w, self.bias)
+            if self.onednn:
+                return onednn_linear(x, w, self.bias)
+        return F.linear(x, w, self.bias)
 
 
-def use_few_rows_linear(model: torch.nn.Module) -> int:
-    """Turn the `nn.Linear` modules of `model` (fp32, on the CPU) into `FewRowsLinear`, in place (their weights
-    unchanged); how many. Nothing where the kernel cannot be built."""
-    if not available():
+def use_cpu_linear(model: torch.nn.Module) -> int:
+    """Turn the `nn.Linear` modules of `model` (fp32, on the CPU) into `CpuLinear`, in place (their weights
+    unchanged); how many. None where neither path is available or `KVTIER_CPU_LINEAR=0`."""
+    CpuLinear.few_rows, CpuLinear.onednn = available(), onednn_available()
+    if os.environ.get("KVTIER_CPU_LINEAR", "1") == "0" or not (CpuLinear.few_rows or CpuLinear.onednn):
         return 0
     count = 0
     for module in model.modules():
         if (type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
                 and module.weight.dtype == torch.float32):
-            module.__class__ = FewRowsLinear
+            module.__class__ = CpuLinear
             count += 1
     return count
