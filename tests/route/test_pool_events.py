@@ -22,6 +22,7 @@ from conftest import EventPublisher, batch as _batch  # noqa: E402
 from kvtier.route.pool_events import PoolEventRelay, shared_part  # noqa: E402
 from kvtier.route.replicas import Replica  # noqa: E402
 from kvtier.route.selectors import DynamoSelector  # noqa: E402
+from support.waiting import wait_until  # noqa: E402
 from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
 from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
 
@@ -55,13 +56,7 @@ async def _register(selector: DynamoSelector) -> None:
 
 
 def _wait(fetch, ok, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = fetch()
-        if ok(got) or time.monotonic() > deadline:
-            assert ok(got), f"{what}: {got}"
-            return got
-        time.sleep(0.2)
+    return wait_until(fetch, ok, what, timeout_s, poll_s=0.2)
 
 
 @pytest.mark.timeout(120)

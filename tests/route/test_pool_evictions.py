@@ -36,6 +36,7 @@ from kvtier.testing.dynamo_select import DynamoSelectService
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.redis import redis_tier
 from kvtier.tiers.redis_removals import missing_flags
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.services
 
@@ -81,13 +82,7 @@ class PoolReplica:
 
 
 def _wait(fetch, ok, what: str):
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        got = fetch()
-        if ok(got) or time.monotonic() > deadline:
-            assert ok(got), f"{what}: {got}"
-            return got
-        time.sleep(0.1)
+    return wait_until(fetch, ok, what, DEADLINE_S)
 
 
 def _fill_until(pool, done) -> list[bool]:
