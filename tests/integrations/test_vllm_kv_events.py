@@ -21,7 +21,8 @@ import pytest
 from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import model_fingerprint
-from kvtier.testing.dynamo import DYNAMO_PYTHON, DynamoIndexer, KvEventTap
+from kvtier.bench.dynamo import DYNAMO_PYTHON
+from kvtier.testing.dynamo import DynamoIndexer, KvEventTap
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, kv_events_args, start_vllm, wait_for  # noqa: E402

@@ -23,8 +23,7 @@ from kvtier.route.pool_events import PoolEventRelay, shared_part  # noqa: E402
 from kvtier.route.replicas import Replica  # noqa: E402
 from kvtier.route.selectors import DynamoSelector  # noqa: E402
 from support.waiting import wait_until  # noqa: E402
-from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
-from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
+from kvtier.bench.dynamo import DYNAMO_PYTHON, DynamoSelectService  # noqa: E402
 
 BLOCK = 4
 TOKENS = list(range(100, 100 + 4 * BLOCK))

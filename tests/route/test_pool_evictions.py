@@ -31,8 +31,7 @@ from kvtier.route.pool_events import PoolEventRelay
 from kvtier.route.replicas import Replica
 from kvtier.route.selectors import DynamoSelector
 from kvtier.server.kv_events import to_wire
-from kvtier.testing.dynamo import DYNAMO_PYTHON
-from kvtier.testing.dynamo_select import DynamoSelectService
+from kvtier.bench.dynamo import DYNAMO_PYTHON, DynamoSelectService
 from kvtier.tiers.manager import TierManager
 from kvtier.tiers.redis import redis_tier
 from kvtier.tiers.redis_removals import missing_flags

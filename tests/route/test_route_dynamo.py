@@ -20,8 +20,7 @@ from kvtier.route.app import REPLICA_HEADER  # noqa: E402
 from kvtier.route.replicas import Replica  # noqa: E402
 from kvtier.route.selectors import DynamoSelector  # noqa: E402
 from kvtier.server.tokenizer import ByteTokenizer  # noqa: E402
-from kvtier.testing.dynamo import DYNAMO_PYTHON  # noqa: E402
-from kvtier.testing.dynamo_select import DynamoSelectService  # noqa: E402
+from kvtier.bench.dynamo import DYNAMO_PYTHON, DynamoSelectService  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(120),

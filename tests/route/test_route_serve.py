@@ -21,8 +21,7 @@ from kvtier.server.cli import build_app
 from kvtier.server.config import ServeConfig
 from kvtier.server.tokenizer import ByteTokenizer
 from kvtier.testing.app_thread import AppThread
-from kvtier.testing.dynamo import DYNAMO_PYTHON
-from kvtier.testing.dynamo_select import DynamoSelectService
+from kvtier.bench.dynamo import DYNAMO_PYTHON, DynamoSelectService
 from kvtier.tiers.spec import parse_specs
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "server"))

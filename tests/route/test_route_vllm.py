@@ -25,8 +25,7 @@ from kvtier.route.app import REPLICA_HEADER, create_app
 from kvtier.route.cli import build_router
 from kvtier.route.prompts import chat_token_ids
 from kvtier.testing.app_thread import AppThread
-from kvtier.testing.dynamo import DYNAMO_PYTHON
-from kvtier.testing.dynamo_select import DynamoSelectService
+from kvtier.bench.dynamo import DYNAMO_PYTHON, DynamoSelectService
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "integrations"))
 from vllm_support import BLOCK_TOKENS, VLLM_PYTHON, kv_events_args, start_vllm, wait_for  # noqa: E402

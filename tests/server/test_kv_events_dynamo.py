@@ -17,7 +17,8 @@ from kvtier.blocks import block_keys
 from kvtier.config import EngineConfig
 from kvtier.server.cli import build_app
 from kvtier.server.config import ServeConfig
-from kvtier.testing.dynamo import DYNAMO_PYTHON, DynamoIndexer
+from kvtier.bench.dynamo import DYNAMO_PYTHON
+from kvtier.testing.dynamo import DynamoIndexer
 from kvtier.tiers.spec import parse_specs
 
 sys.path.insert(0, str(Path(__file__).parent))

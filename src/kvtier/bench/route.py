@@ -344,11 +344,8 @@ def front_door(policy: str, replicas: Replicas, root: Path, model_dir: Path, *, 
             for url in replicas.urls:
                 argv += ["--replica", url]
             if scale is not None:
-                try:
-                    from kvtier.testing.dynamo_select import DynamoSelectService
-                except ImportError:
-                    raise RuntimeError("the dynamo policy runs from a source checkout (kvtier.testing launches "
-                                       "Dynamo's selection service from .venv-dynamo)") from None
+                from kvtier.bench.dynamo import DynamoSelectService
+
                 selector = stack.enter_context(DynamoSelectService(
                     root / "select.log", env={"DYN_ROUTER_PREFILL_LOAD_SCALE": repr(scale)}))
                 argv += ["--selector", selector.url, "--tokenizer", str(model_dir), "--block-size", str(BLOCK_TOKENS)]

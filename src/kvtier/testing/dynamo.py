@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,19 +21,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvtier.bench.dynamo import DYNAMO_PYTHON, START_TIMEOUT_S, _can_isolate, start_dynamo
 from kvtier.bench.servers import ROOT, _stop_group
 from kvtier.ports import free_port
-
-DYNAMO_PYTHON = Path(os.environ.get("KVTIER_DYNAMO_PYTHON", ROOT / ".venv-dynamo" / "bin" / "python"))
-START_TIMEOUT_S = 60
-
-# Brings the namespace's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP), then becomes the indexer.
-_LO_UP_THEN_EXEC = """import fcntl, os, socket, struct, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]
-fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
-os.execv(sys.argv[1], sys.argv[1:])
-"""
 
 # One HTTP request, run inside the indexer's namespace: prints status and body as JSON.
 _REQUEST = """import json, sys, urllib.error, urllib.request
@@ -46,25 +35,6 @@ try:
 except urllib.error.HTTPError as e:
     print(json.dumps([e.code, e.read().decode()]))
 """
-
-
-def _can_isolate() -> bool:
-    return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("nsenter") is not None
-
-
-def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolate: bool,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m <module> --port <port> --threads 1` from `.venv-dynamo` (the indexer, the selection
-    service), in a network namespace of its own with only its loopback where `isolate`; `env` adds to the
-    environment (Dynamo's router reads its settings from `DYN_ROUTER_*` variables)."""
-    if not python.exists():
-        raise FileNotFoundError(f"{python} not found: `make dynamo` creates it")
-    argv = [str(python), "-m", module, "--port", str(port), "--threads", "1"]
-    if isolate:
-        argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"), **(env or {})})
 
 
 class DynamoIndexer:

@@ -1,31 +1,64 @@
-"""NVIDIA Dynamo's runtime-free selection service (`python -m dynamo.select_service`, PyPI `ai-dynamo-runtime`
-1.6.1 in `.venv-dynamo`, `make dynamo`) for the tests: `kvtier route --policy dynamo`'s selector.
+"""NVIDIA Dynamo's services, launched for `kvtier bench route` and the tests (PyPI `ai-dynamo-runtime` 1.6.1 in
+`.venv-dynamo`, `make dynamo`): `start_dynamo` starts `python -m dynamo.<module>` (the standalone KV indexer, the
+runtime-free selection service; no NATS or etcd), `DynamoSelectService` is the selection service that
+`kvtier route --policy dynamo` asks (the bench starts one per routed run).
 
-It binds every interface (no option to change it), so, as `DynamoIndexer`, where this process may (root)
-it runs in a network namespace of its own, with only its own loopback; the replicas' event sockets are
-`ipc://` paths, which a namespace does not hide. Its HTTP port is then reached through `NetnsBridge`:
-a listener on this namespace's 127.0.0.1 whose connections are made from a thread that joined the
-service's namespace (`setns` moves only the calling thread), so the router gets a plain URL.
+Both bind every interface (no option to change it), so where this process may (root, `unshare`) they run in a network
+namespace of their own, with only their own loopback; the replicas' event sockets are `ipc://` paths, which a
+namespace does not hide. The selection service's HTTP port is then reached through `NetnsBridge`: a listener on this
+namespace's 127.0.0.1 whose connections are made from a thread that joined the service's namespace (`setns` moves
+only the calling thread), so the router gets a plain URL. No Dynamo import here.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from kvtier.bench.servers import _stop_group
+from kvtier.bench.servers import ROOT, _stop_group
 from kvtier.ports import free_port
-from kvtier.testing.dynamo import DYNAMO_PYTHON, _can_isolate, start_dynamo
 
-START_TIMEOUT_S = 60
 _CLONE_NEWNET = 0x40000000
+
+DYNAMO_PYTHON = Path(os.environ.get("KVTIER_DYNAMO_PYTHON", ROOT / ".venv-dynamo" / "bin" / "python"))
+START_TIMEOUT_S = 60
+
+# Brings the namespace's loopback up (SIOCGIFFLAGS / SIOCSIFFLAGS, IFF_UP), then becomes the indexer.
+_LO_UP_THEN_EXEC = """import fcntl, os, socket, struct, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH", fcntl.ioctl(s, 0x8913, struct.pack("16sH", b"lo", 0))[:18])[1]
+fcntl.ioctl(s, 0x8914, struct.pack("16sH", b"lo", flags | 1))
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def _can_isolate() -> bool:
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("nsenter") is not None
+
+
+def start_dynamo(python: Path, module: str, port: int, log_path: Path, *, isolate: bool,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m <module> --port <port> --threads 1` from `.venv-dynamo` (the indexer, the selection
+    service), in a network namespace of its own with only its loopback where `isolate`; `env` adds to the
+    environment (Dynamo's router reads its settings from `DYN_ROUTER_*` variables)."""
+    if not python.exists():
+        raise FileNotFoundError(f"{python} not found: `make dynamo` creates it")
+    argv = [str(python), "-m", module, "--port", str(port), "--threads", "1"]
+    if isolate:
+        argv = ["unshare", "--net", sys.executable, "-c", _LO_UP_THEN_EXEC, *argv]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "info"), **(env or {})})
+
 
 
 class NetnsBridge:
