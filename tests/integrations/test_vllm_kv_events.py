@@ -153,11 +153,15 @@ def test_blocks_the_device_evicted_still_count_at_kvtier_s_tier(replica, prompts
 
 def test_blocks_kvtier_evicted_are_gone_from_the_index(replica, prompts):
     ids, device = replica["first"]
-    replica["server"].complete(prompts[4], max_tokens=8)  # a fifth prompt: the SSD lets the first one's oldest go
-    wait_for(lambda: _query(replica, ids), lambda q: not q.get("disk"),
-             "the SSD evicting the first prompt's first block")
-    assert device[0] in _removed(replica["tap"].events(), "STORAGE")
-    assert device[0] not in set().union(*_tiers_holding(replica, device).values(), set())
+    replica["server"].complete(prompts[4], max_tokens=8)  # a fifth prompt: the SSD lets the first one's blocks go
+    left = wait_for(lambda: _query(replica, ids), lambda q: q.get("disk", 0) < _full(ids),
+                    "the SSD evicting the first prompt's blocks")["disk"]
+    # tail first (7857b89): the SSD let the chain's last blocks go; what it kept is still the prompt's prefix
+    kept = left // BLOCK_TOKENS
+    removed = _removed(replica["tap"].events(), "STORAGE")
+    assert device[-1] in removed and not set(device[:kept]) & removed
+    held = set().union(*_tiers_holding(replica, device).values(), set())
+    assert held == set(device[:kept])  # the evicted ones are gone from the index, the prefix is not
     # the index's count of each tier's blocks is kvtier's: one block file each on the SSD and in shm
     counts = wait_for(lambda: _tier_counts(replica), lambda c: c == _file_counts(replica), "the index's counts")
     assert counts["disk"] > SSD_BLOCKS - 13 and counts["host_pinned"] > 0
