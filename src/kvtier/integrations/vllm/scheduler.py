@@ -163,13 +163,14 @@ class SchedulerSide:
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
         files = self._rank_keys(keys)  # files[i * world_size + rank] is rank's shard of keys[i]
         ws = self.world_size
+        chain_files = [self._rank_keys(chain) for chain in chains] if files else []  # the same in every directory
         taken_by = [0] * len(keys)  # per block: in how many directories every rank's file was admitted
         deletes = {}
         for name, tier in self._directories.items():
             try:
                 admitted = tier.admit(files, self._block_bytes) if files else []
-                for chain in chains if files else []:
-                    tier.touch_many(self._rank_keys(chain))
+                for chain in chain_files:
+                    tier.touch_many(chain)
                 evicted = tier.take_deletes()
             except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
                 log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
