@@ -88,3 +88,46 @@ def test_a_disaggregated_pair_has_a_breakdown_row_for_each_engine():
     assert render_breakdown([row]).splitlines()[2:] == [
         "| vllm-kvtier-disagg (consumer) | 0.00 s | 0.50 s | 2.00 s | 96 | 0 | 0.25 s | 0.00 s | 0.00 s | 3.0 |",
         "| vllm-kvtier-disagg (producer) | 0.00 s | 0.50 s | 2.00 s | 1,800 | 0 | 0.25 s | 0.00 s | 0.00 s | 3.0 |"]
+
+
+def test_decode_rounds_are_fresh_passages_that_share_no_first_block():
+    from kvtier.bench.harness import Workload
+    from kvtier.bench.vllm import decode_device_tokens, decode_rounds
+
+    class Chars:  # a tokenizer of one id per character: what is shared shows exactly
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    text = "".join(chr(65 + (i * 7919) % 26) for i in range(20_000))
+    rounds = decode_rounds(text, Chars(), Workload(num_users=4, num_turns=3, context_chars=300))
+    assert [len(r) for r in rounds] == [4, 4, 4]
+    prompts = [ids for r in rounds for ids in r]
+    assert all(len(ids) == 300 for ids in prompts)
+    assert len({tuple(ids[:32]) for ids in prompts}) == 12  # no block a later prompt could load
+    # 4 requests x ceil((300 + 200) / 32) = 16 blocks each
+    assert decode_device_tokens(rounds, 200, 32) == 4 * 16 * 32
+
+
+def test_decode_figures_are_per_round_itl_and_rate_and_the_best_of_each():
+    from kvtier.bench.harness import SystemResult, Turn
+    from kvtier.bench.vllm import decode_figures
+
+    result = SystemResult(name="x", wall_s=1.0)
+    # round 1: two requests, first tokens at 1.0 s, 10 gaps of 0.05 s -> the round spans 0.5 s, 20 tokens
+    result.turns[(1, 0)] = Turn(1.0, [0.05] * 10, list(range(11)), start_s=0.0)
+    result.turns[(1, 1)] = Turn(0.9, [0.05] * 10, list(range(11)), start_s=0.1)
+    # round 2: one request, gaps of 0.04 s but one stall: p50 0.04, 5 tokens over 0.36 s
+    result.turns[(2, 0)] = Turn(0.5, [0.04, 0.04, 0.04, 0.04, 0.2], list(range(6)), start_s=3.0)
+    d = decode_figures(result)
+    assert d["round_itl_p50_s"] == pytest.approx([0.05, 0.04])
+    assert d["round_decode_tokens_per_s"] == pytest.approx([20 / 0.5, 5 / 0.36])
+    assert d["best_itl_p50_s"] == pytest.approx(0.04)
+    assert d["best_decode_tokens_per_s"] == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("system", ["kvtier-serve", "vllm-kvtier-disagg"])
+def test_the_decode_workload_refuses_systems_that_are_not_one_vllm(system, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--workload", "decode", "--systems", f"vllm,{system}"])
+    assert exc.value.code == 2
+    assert "--workload decode" in capsys.readouterr().err

@@ -22,6 +22,14 @@ really computed; preemptions; kvtier's worker time in loads and in copying saves
 1-minute load average (the larger of the system's start and end: other work on the cores shows there).
 A disaggregated pair's replies come from its consumer (TTFT through the proxy includes the producer's
 prefill); its breakdown has a row for each engine, so the prompts the producer computed show too.
+
+`--workload decode` asks what a connector costs when there is nothing to load: rounds of `--users`
+concurrent requests, every prompt a passage no other request shares (so no hit anywhere; kvtier still
+saves every full block), `--max-tokens` greedy tokens each, the first round a warm-up. Every vLLM
+system runs with the same OpenMP layout (`VLLM_CPU_NUM_OF_RESERVED_CPU`, by default what vLLM gives a
+server with a KV connector: two cores per rank reserved, i.e. none on a 2-core box), so the comparison is
+the connector's own cost, not vLLM's choice of cores. Reported per system: each round's ITL p50 and
+decode tokens/s, the best round of each, and the best against vLLM alone's best (`decode_vs_vllm`).
 """
 
 from __future__ import annotations
@@ -92,6 +100,57 @@ def _run_chat(url: str, tokenizer, convs, w: Workload, name: str) -> SystemResul
     return result
 
 
+def decode_rounds(text: str, tokenizer, w: Workload) -> list[list[list[int]]]:
+    """`--workload decode`'s prompts: `w.num_turns` rounds (the first a warm-up) of `w.num_users` prompts,
+    each a passage of `w.context_chars` as it is (no chat template, whose system prompt every request would
+    share): no prompt shares a first block with another, so nothing is cached anywhere to load."""
+    passages = conversations(text, Workload(num_users=w.num_users * w.num_turns, num_turns=1,
+                                            context_chars=w.context_chars, turn_chars=w.turn_chars))
+    prompts = [[int(t) for t in tokenizer(passage)["input_ids"]] for passage, _ in passages]
+    return [prompts[r * w.num_users:(r + 1) * w.num_users] for r in range(w.num_turns)]
+
+
+def decode_device_tokens(rounds: list[list[list[int]]], max_tokens: int, block_tokens: int) -> int:
+    """The device KV (tokens, whole blocks) the largest round needs with every request at its last token."""
+    return max(sum(-(-(len(ids) + max_tokens) // block_tokens) for ids in r) for r in rounds) * block_tokens
+
+
+def _run_decode(url: str, rounds: list[list[list[int]]], max_tokens: int, name: str) -> SystemResult:
+    """The rounds one after another, each round's requests at once; round 0 (the warm-up) is not kept."""
+    import httpx
+
+    result = SystemResult(name=name, wall_s=0.0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
+            for r, prompts in enumerate(rounds):
+                into = result if r else SystemResult(name=name, wall_s=0.0)
+                await asyncio.gather(*(_stream(client, into, (r, i), ids, max_tokens)
+                                       for i, ids in enumerate(prompts)))
+
+    start = time.perf_counter()
+    asyncio.run(main())
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+def decode_figures(result: SystemResult) -> dict:
+    """Per measured round: ITL p50 and decode tokens/s (tokens after each request's first, over the span
+    from the round's first first-token to its last token); the best round of each."""
+    by_round: dict[int, list] = {}
+    for (r, _), turn in sorted(result.turns.items()):
+        by_round.setdefault(r, []).append(turn)
+    itls, rates = [], []
+    for turns in by_round.values():
+        gaps = sorted(x for t in turns for x in t.itl_s)
+        itls.append(gaps[len(gaps) // 2] if gaps else 0.0)
+        first = min(t.start_s + t.ttft_s for t in turns)
+        last = max(t.token_times_s()[-1] for t in turns)
+        rates.append(sum(len(t.itl_s) for t in turns) / (last - first) if last > first else 0.0)
+    return {"round_itl_p50_s": itls, "round_decode_tokens_per_s": rates,
+            "best_itl_p50_s": min(itls, default=0.0), "best_decode_tokens_per_s": max(rates, default=0.0)}
+
+
 def _run_trace(url: str, reqs, name: str) -> SystemResult:
     import httpx
 
@@ -149,7 +208,8 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str):
+def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str,
+                 env: dict[str, str] | None = None):
     from kvtier.bench.pools import MooncakePool
     from kvtier.bench.servers import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
                                       kvtier_transfer_config)
@@ -171,6 +231,8 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
     elif name == "vllm-kvtier-disagg":
         shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, shm, ignore_errors=True)
+        if env:
+            raise ValueError("vllm-kvtier-disagg takes no --workload decode (two engines: no one layout to compare)")
         return stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
                                                 extra_args=("--num-gpu-blocks-override", str(num_blocks)),
                                                 max_model_len=(num_blocks - 1) * 32))
@@ -186,16 +248,18 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
     # vLLM refuses a context longer than its KV budget: the budget caps the model length too
     return stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
                                           extra_args=("--num-gpu-blocks-override", str(num_blocks)),
-                                          max_model_len=(num_blocks - 1) * 32, python=python))
+                                          max_model_len=(num_blocks - 1) * 32, python=python, env=env))
 
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
         trace: bool = False, trace_requests_: int = 32, trace_start: int = 0, time_scale: float = 1.0,
-        log_dir: str | None = None, load: str = "layerwise") -> list[dict]:
+        log_dir: str | None = None, load: str = "layerwise", decode: bool = False,
+        reserved_cpus: int = 2) -> list[dict]:
     from kvtier import models
     from kvtier.bench import serve
     from kvtier.data import MOONCAKE_TRACE, SHAKESPEARE, shared_data_file
     from kvtier.bench.servers import BLOCK_TOKENS, LMCACHE_PYTHON
+    from kvtier.errors import UserError
 
     if "vllm-lmcache" in systems and not LMCACHE_PYTHON.exists():
         print(f"vllm-lmcache skipped: {LMCACHE_PYTHON} not found (`make lmcache` creates it, "
@@ -211,6 +275,14 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     reqs = trace_requests(shared_data_file(MOONCAKE_TRACE), num_requests=trace_requests_, start=trace_start,
                           block_tokens=16, max_tokens=w.max_tokens, time_scale=time_scale,
                           max_context=(num_blocks - 1) * BLOCK_TOKENS) if trace else None
+    rounds = decode_rounds(shared_data_file(SHAKESPEARE).read_text(), loaded.tokenizer, w) if decode else None
+    if rounds:  # a round that does not fit the device would preempt (recompute), not measure decoding
+        need = decode_device_tokens(rounds, w.max_tokens, BLOCK_TOKENS)
+        if need > device_kv_tokens:
+            raise UserError(f"--workload decode: a round of {w.num_users} requests needs --device-kv-tokens >= "
+                            f"{need} (their prompts and --max-tokens {w.max_tokens} on the device at once)")
+    # decode: one OpenMP layout for every system (vLLM reserves cores for a connector, not without one)
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)} if decode else None
     results: dict[str, SystemResult] = {}
     breakdowns: dict[str, dict[str, float]] = {}
     if log_dir:
@@ -219,6 +291,8 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
         with ExitStack() as stack:
             tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
                 stack.enter_context(tempfile.TemporaryDirectory())
+            if name == "kvtier-serve" and decode:
+                raise ValueError("kvtier-serve takes no --workload decode: it is another engine, not a connector")
             if name == "kvtier-serve":
                 budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
                 args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,
@@ -226,11 +300,12 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                 results[name] = (serve.run_engine_trace(loaded, reqs, **args) if trace
                                  else serve.run_engine(loaded, convs, w, **args))
                 continue
-            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load)
+            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env)
             producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
             producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
             results[name] = (_run_trace(server.url, reqs, name) if trace
+                             else _run_decode(server.url, rounds, w.max_tokens, name) if decode
                              else _run_chat(server.url, loaded.tokenizer, convs, w, name))
             after = server.metrics()
             results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
@@ -244,7 +319,13 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
         row = result.row(reference if name.startswith("vllm") and result is not reference else None)
         row["same_text_as_vllm"] = row.pop("same_text_as_generate")
         row["breakdown"] = breakdowns.get(name, {})
+        if decode:
+            row["decode"] = decode_figures(result)
         rows.append(row)
+    if decode and reference is not None:
+        best = decode_figures(reference)["best_decode_tokens_per_s"]
+        for row in rows:
+            row["decode"]["decode_vs_vllm"] = row["decode"]["best_decode_tokens_per_s"] / best if best else 0.0
     return rows
 
 
@@ -259,6 +340,20 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} s | "
                      f"{r['ttft_p99_s']:.2f} s | {r['itl_p50_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | "
                      f"{r['wall_s']:.0f} s | {r['prompt_tokens']:,} | {cached} | {same} |")
+    return "\n".join(lines + ["", render_breakdown(rows)])
+
+
+def render_decode(rows: list[dict]) -> str:
+    """`--workload decode`: each system's rounds, best round, and best against vLLM alone's best."""
+    lines = ["| system | ITL p50 per round | decode tokens/s per round | best ITL p50 | best decode tokens/s | "
+             "vs vLLM alone | same text as vLLM alone |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = r["decode"]
+        same = "(reference)" if r["system"] == "vllm" else {None: "–", True: "yes", False: "NO"}[r["same_text_as_vllm"]]
+        ratio = f"{d['decode_vs_vllm']:.3f}" if "decode_vs_vllm" in d else "–"
+        lines.append(f"| {r['system']} | {' / '.join(f'{x * 1000:.1f}' for x in d['round_itl_p50_s'])} ms | "
+                     f"{' / '.join(f'{x:.1f}' for x in d['round_decode_tokens_per_s'])} | "
+                     f"{d['best_itl_p50_s'] * 1000:.1f} ms | {d['best_decode_tokens_per_s']:.1f} | {ratio} | {same} |")
     return "\n".join(lines + ["", render_breakdown(rows)])
 
 
@@ -296,7 +391,11 @@ def add_command(bench) -> None:
              max_tokens: int = typer.Option(24, min=1),
              device_kv_tokens: int = typer.Option(1088, min=32, help="vLLM's device KV budget (blocks of 32)"),
              systems: str = typer.Option(",".join(SYSTEMS), help=", ".join(SYSTEMS)),
-             workload: str = typer.Option("chat", help="chat (multi-turn) or mooncake (the shared trace)"),
+             workload: str = typer.Option("chat", help="chat (multi-turn), mooncake (the shared trace) or decode "
+                                                       "(--turns rounds of --users fresh prompts, the first a "
+                                                       "warm-up: a connector's cost with nothing to load)"),
+             reserved_cpus: int = typer.Option(2, min=0, help="--workload decode: VLLM_CPU_NUM_OF_RESERVED_CPU "
+                                                              "for every vLLM system (default: a connector's)"),
              trace_requests_: int = typer.Option(32, "--trace-requests", min=1),
              trace_start: int = typer.Option(0, min=0), time_scale: float = typer.Option(1.0),
              json_out: bool = typer.Option(False, "--json"),
@@ -315,15 +414,19 @@ def add_command(bench) -> None:
         unknown = [n for n in names if n not in SYSTEMS]
         if load not in LOAD_MODES:
             raise UserError(f"unknown --load {load!r}: use {' or '.join(LOAD_MODES)}")
-        if unknown or workload not in ("chat", "mooncake"):
+        if unknown or workload not in ("chat", "mooncake", "decode"):
             raise UserError(f"unknown system(s) {unknown} or workload {workload!r}: systems {', '.join(SYSTEMS)}; "
-                            "workload chat or mooncake")
+                            "workload chat, mooncake or decode")
+        if workload == "decode" and {"kvtier-serve", "vllm-kvtier-disagg"} & set(names):
+            raise UserError("--workload decode compares vLLM with and without a connector: not kvtier-serve or "
+                            "vllm-kvtier-disagg")
         rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), systems=names,
                    device_kv_tokens=device_kv_tokens, trace=workload == "mooncake", trace_requests_=trace_requests_,
-                   trace_start=trace_start, time_scale=time_scale, log_dir=log_dir, load=load)
+                   trace_start=trace_start, time_scale=time_scale, log_dir=log_dir, load=load,
+                   decode=workload == "decode", reserved_cpus=reserved_cpus)
         if plot_path:
             plot(rows, plot_path, f"kvtier bench vllm --workload {workload} (SmolLM2 fp32, {device_kv_tokens} "
                                   "device KV tokens, this machine)")
         if timeline_path:
             plot_timeline(rows, timeline_path, f"kvtier bench vllm --workload {workload}: each request's timeline")
-        print_rows(rows, json_out, render)
+        print_rows(rows, json_out, render_decode if workload == "decode" else render)
