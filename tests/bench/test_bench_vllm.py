@@ -131,3 +131,10 @@ def test_the_decode_workload_refuses_systems_that_are_not_one_vllm(system, capsy
         main(["bench", "vllm", "--workload", "decode", "--systems", f"vllm,{system}"])
     assert exc.value.code == 2
     assert "--workload decode" in capsys.readouterr().err
+
+
+def test_a_system_named_twice_runs_twice_under_its_own_label():
+    from kvtier.bench.vllm import run_labels
+
+    assert run_labels(("vllm", "vllm-kvtier-dram", "vllm", "vllm-kvtier-dram", "vllm")) == [
+        "vllm", "vllm-kvtier-dram", "vllm (2)", "vllm-kvtier-dram (2)", "vllm (3)"]

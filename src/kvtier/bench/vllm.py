@@ -287,7 +287,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
     breakdowns: dict[str, dict[str, float]] = {}
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-    for name in systems:
+    for name, label in zip(systems, run_labels(systems)):
         with ExitStack() as stack:
             tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
                 stack.enter_context(tempfile.TemporaryDirectory())
@@ -297,22 +297,23 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                 budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
                 args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,
                             tier_specs=["dram:2GiB"])
-                results[name] = (serve.run_engine_trace(loaded, reqs, **args) if trace
-                                 else serve.run_engine(loaded, convs, w, **args))
+                results[label] = (serve.run_engine_trace(loaded, reqs, **args) if trace
+                                  else serve.run_engine(loaded, convs, w, **args))
+                results[label].name = label
                 continue
             server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env)
             producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
             producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
-            results[name] = (_run_trace(server.url, reqs, name) if trace
-                             else _run_decode(server.url, rounds, w.max_tokens, name) if decode
-                             else _run_chat(server.url, loaded.tokenizer, convs, w, name))
+            results[label] = (_run_trace(server.url, reqs, label) if trace
+                              else _run_decode(server.url, rounds, w.max_tokens, label) if decode
+                              else _run_chat(server.url, loaded.tokenizer, convs, w, label))
             after = server.metrics()
-            results[name].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
-            breakdowns[name] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0])}
+            results[label].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
+            breakdowns[label] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0])}
             if producer:
-                breakdowns[name]["producer"] = (_breakdown(producer_before, producer.metrics())
-                                                | {"load_avg": breakdowns[name]["load_avg"]})
+                breakdowns[label]["producer"] = (_breakdown(producer_before, producer.metrics())
+                                                 | {"load_avg": breakdowns[label]["load_avg"]})
     reference = results.get("vllm")
     rows = []
     for name, result in results.items():
@@ -322,11 +323,23 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
         if decode:
             row["decode"] = decode_figures(result)
         rows.append(row)
-    if decode and reference is not None:
-        best = decode_figures(reference)["best_decode_tokens_per_s"]
+    if decode and reference is not None:  # against the best of vLLM alone's runs (a system may run twice)
+        best = max(row["decode"]["best_decode_tokens_per_s"] for row in rows if row["system"].split()[0] == "vllm")
         for row in rows:
             row["decode"]["decode_vs_vllm"] = row["decode"]["best_decode_tokens_per_s"] / best if best else 0.0
     return rows
+
+
+def run_labels(systems: tuple[str, ...]) -> list[str]:
+    """Each run's name: the system's, and for its second and later runs in one command `<system> (k)` —
+    a system named twice runs twice (`vllm,vllm-kvtier-dram,vllm,vllm-kvtier-dram`: alternated, so a
+    drift of the machine shows in both)."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in systems:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return labels
 
 
 def render(rows: list[dict]) -> str:
@@ -390,7 +403,8 @@ def add_command(bench) -> None:
              context_chars: int = typer.Option(1200, min=1), turn_chars: int = typer.Option(160, min=1),
              max_tokens: int = typer.Option(24, min=1),
              device_kv_tokens: int = typer.Option(1088, min=32, help="vLLM's device KV budget (blocks of 32)"),
-             systems: str = typer.Option(",".join(SYSTEMS), help=", ".join(SYSTEMS)),
+             systems: str = typer.Option(",".join(SYSTEMS), help=", ".join(SYSTEMS) + " (a system named twice "
+                                                                                  "runs twice, in that order)"),
              workload: str = typer.Option("chat", help="chat (multi-turn), mooncake (the shared trace) or decode "
                                                        "(--turns rounds of --users fresh prompts, the first a "
                                                        "warm-up: a connector's cost with nothing to load)"),
