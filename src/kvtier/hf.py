@@ -399,8 +399,8 @@ class TieredCache(Cache):
         if num_full <= self._num_stored_blocks:
             return 0
         new = range(self._num_stored_blocks, num_full)
-        keys = self.chain.extend(ids, num_full)[new.start:]
-        self.mover.save(keys, [self.block_tensor(i) for i in new])
+        chain = self.chain.extend(ids, num_full)
+        self.mover.save(chain[new.start:], [self.block_tensor(i) for i in new], chains=[chain])  # the rest refreshed
         self.prefix.stored_blocks += len(new)
         self._num_stored_blocks = num_full
         return len(new)

@@ -8,7 +8,9 @@ A request's blocks form a chain (prompt order, root first) and a prefix lookup s
 an LRU that lost a chain's root would keep the rest of it stored and unmatchable. Every place that takes
 one request's blocks in one call refreshes them tail first (`tail_first`, `LRUIndex.touch_many`): the root
 ends most recent and eviction takes a chain from its tail, as vLLM's free block queue and SGLang's radix
-cache (leaves first) do.
+cache (leaves first) do. A save carries only a turn's new blocks, so it names the chains they extend
+(`BlockMover.save(chains=...)`): each tier refreshes what it holds of them with the new blocks, never the new
+ones alone, which would outrank the root they extend.
 """
 
 from __future__ import annotations

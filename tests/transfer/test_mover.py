@@ -75,7 +75,7 @@ def test_saves_go_through_the_one_writer_and_a_full_one_drops(tmp_path):
     manager = TierManager([HostTier(8 * SLOT, SLOT), DiskTier(tmp_path, 64 * SLOT)], max_pending_writes=1)
     gate = threading.Event()
     put = manager.put_many
-    manager.put_many = lambda items: gate.wait(30) and put(items)
+    manager.put_many = lambda items, **kw: gate.wait(30) and put(items, **kw)
     mover = BlockMover(manager, CODEC, layout=LAYOUT)
     keys = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(12)))
     assert mover.save(keys[:1], BLOCKS[:1])  # taken by the writer thread, stuck in put_many

@@ -271,7 +271,7 @@ class LLMEngine:
         newly_full = self.scheduler.take_newly_full()
         if self.config.tier_writes == "full":
             try:
-                self._write_to_tiers(newly_full)
+                self._write_to_tiers(newly_full, chains=_extended_chains(out, newly_full))
             except Exception:  # noqa: BLE001 — the blocks stay on the device; the tokens are delivered
                 log.exception("writing computed blocks to the tiers failed")
         for output in outputs:
@@ -412,13 +412,16 @@ class LLMEngine:
         # registered only now that their KV is written
         self.scheduler.finish_load(done.request_id, num_loaded, done.tiers, host_tiers)
 
-    def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False) -> None:
+    def _write_to_tiers(self, blocks: list[tuple[bytes, int]], *, skip_held: bool = False,
+                        chains: list[list[bytes]] = ()) -> None:
         """Copy device blocks out of the arena and hand them to the transfer worker, which encodes and
         writes them down. `skip_held`: the worker first asks the tiers and writes only the blocks none
-        holds (dropped by a tier's LRU, or a write that never landed: a tier that was down, a full queue)."""
+        holds (dropped by a tier's LRU, or a write that never landed: a tier that was down, a full queue).
+        `chains`: the sequences' chains the blocks extend, refreshed in the tiers with them."""
         if self.transfer is None or not blocks:
             return
-        self.transfer.store([(key, self.arena.block_tensor(block_id)) for key, block_id in blocks], skip_held=skip_held)
+        self.transfer.store([(key, self.arena.block_tensor(block_id)) for key, block_id in blocks], skip_held=skip_held,
+                            chains=chains)
 
     def _match_tiers(self, keys: list[bytes]):
         start = time.perf_counter()
@@ -521,6 +524,16 @@ class LLMEngine:
                 generated[output.request_id] += output.new_token_ids
         self.wait_for_transfers()  # offline: finished means the blocks are down in the tiers too
         return [generated[request_id] for request_id in ids]
+
+
+def _extended_chains(out: SchedulerOutput, newly_full: list[tuple[bytes, int]]) -> list[list[bytes]]:
+    """The chains a step's new full blocks extend: the blocks so far (root first) of each scheduled sequence
+    whose last keyed block is new. A save carries only the new blocks; the tiers refresh the rest with them."""
+    if not newly_full:
+        return []
+    new = {key for key, _ in newly_full}
+    seqs = {chunk.seq.request_id: chunk.seq for chunk in out.chunks}
+    return [keys for keys in (seq.block_keys for seq in seqs.values()) if keys and keys[-1] in new]
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:

@@ -142,9 +142,12 @@ class TierIO:
         if self._thread is None:
             self._run_next()
 
-    def store(self, items: list[tuple[bytes, torch.Tensor]], *, skip_held: bool = False) -> None:
+    def store(self, items: list[tuple[bytes, torch.Tensor]], *, skip_held: bool = False,
+              chains: list[list[bytes]] = ()) -> None:
+        """`chains`: the sequences' chains the blocks extend, refreshed with them (`BlockMover.save`)."""
         if items:
-            self.mover.save([key for key, _ in items], [block for _, block in items], skip_held=skip_held)
+            self.mover.save([key for key, _ in items], [block for _, block in items], skip_held=skip_held,
+                            chains=chains)
 
     def poll(self, timeout_s: float = 0.0) -> list[LoadDone]:
         """Finished loads; waits up to `timeout_s` for the first one when none is ready."""

@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -216,15 +217,22 @@ class HostTier:
         rows = self._arena.view(dtype).view(self.num_slots, per_slot)
         return rows[:, HEADER_BYTES // itemsize:HEADER_BYTES // itemsize + numel].unflatten(1, shape)
 
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes | None]]:
+    puts_chains = True  # `put_many(items, chains=...)`: refreshes the chains a save extends itself (writeback.py)
+
+    def put_many(self, items: list[tuple[bytes, bytes]], chains: Sequence[list[bytes]] = ()
+                 ) -> list[tuple[bytes, bytes | None]]:
         """Store blocks, most valuable first (a request's in prompt order, root first); returns the evicted,
         least recently used first: (key, data), or (key, None) for a block a lower tier holds
         (`placed_below`): nothing copied out for it. Stored in order (stored events: a parent before its
         children) and never evicting each other (a chain longer than the tier keeps its first blocks), then
-        refreshed tail first (`kvtier.lru`)."""
+        refreshed tail first (`kvtier.lru`). `chains`: the requests' chains the blocks extend (root first,
+        the new keys included): what this tier holds of them is not rewritten, kept from the batch's
+        evictions and refreshed with it, tail first, under one lock take — a turn's new blocks never outrank
+        the root they extend, and a full tier evicts the chain from its tail."""
         start = time.perf_counter()
         evicted: list[tuple[bytes, bytes | None]] = []
-        batch = {key for key, _ in items}
+        chain_keys = [key for chain in chains for key in chain]
+        batch = {key for key, _ in items}.union(chain_keys)
         for key, data in items:
             if len(data) > self.slot_bytes:
                 self._oversize(len(data))
@@ -234,6 +242,7 @@ class HostTier:
                     evicted += self._put(key, data, batch)
         with self._lock:
             self._lru.touch_many([key for key, _ in items])
+            self._lru.touch_many(chain_keys)  # chains one after another: the first chain's root ends most recent
         self.stats.write_seconds += time.perf_counter() - start
         return evicted
 

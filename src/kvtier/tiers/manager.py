@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, check_layer, verify
@@ -37,7 +37,7 @@ from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
 from kvtier.tiers.health import HealthProber
-from kvtier.tiers.writeback import WriteBack
+from kvtier.tiers.writeback import WriteBack, put_chained
 
 log = logging.getLogger(__name__)
 
@@ -528,14 +528,17 @@ class TierManager:
         return self.read(self.match(keys)).payloads
 
     # -- writes ----------------------------------------------------------------------------------
-    def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Into the top tier now; write-through to the lower tiers on the write-back queue."""
-        self._put_top(items)
-        self._writeback.submit(items, through=True)
+    def put_many(self, items: list[tuple[bytes, bytes]], *, chains: Sequence[list[bytes]] = ()) -> None:
+        """Into the top tier now; write-through to the lower tiers on the write-back queue. `chains`: the
+        requests' chains the blocks extend (root first, the new keys included; a save carries only a turn's
+        new blocks): every tier that holds some of them refreshes them with the put, tail first, without
+        rewriting them (`writeback.put_chained`), so the new blocks never outrank their root."""
+        self._put_top(items, chains)
+        self._writeback.submit(items, through=True, chains=chains)
 
-    def _put_top(self, items: list[tuple[bytes, bytes]]) -> None:
+    def _put_top(self, items: list[tuple[bytes, bytes]], chains: Sequence[list[bytes]] = ()) -> None:
         top = self.tiers[0]
-        evicted = self._guarded(top, "put", lambda: top.put_many(items), [], writing=True)
+        evicted = self._guarded(top, "put", lambda: put_chained(top, items, chains), [], writing=True)
         # a block write-through placed below comes back as its key alone: nothing to demote
         self._writeback.submit([(key, data) for key, data in evicted if data is not None], through=False)
 

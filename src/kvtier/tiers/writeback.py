@@ -16,10 +16,28 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Sequence
 
 from kvtier.lru import tail_first
 
 log = logging.getLogger(__name__)
+
+
+def put_chained(tier, items: list[tuple[bytes, bytes]], chains: Sequence[list[bytes]] = ()) -> list:
+    """`tier.put_many(items)` for blocks that extend `chains` (requests' blocks so far, root first, the new
+    ones included: a save carries only a turn's new blocks). In a tier with an LRU of its own (`touch_many`)
+    the chains' blocks it holds are refreshed with the batch, tail first (`kvtier.lru`), never rewritten: one
+    that takes `chains` itself (`puts_chains`: DRAM, one lock take) keeps them from the batch's evictions;
+    any other is refreshed before the put (out of its evictions' way) and after it (the root most recent)."""
+    if not chains or not hasattr(tier, "touch_many"):
+        return tier.put_many(items) if items else []
+    if getattr(tier, "puts_chains", False):
+        return tier.put_many(items, chains=chains)
+    keys = [key for chain in chains for key in chain]
+    tier.touch_many(keys)
+    evicted = tier.put_many(items) if items else []
+    tier.touch_many(keys)
+    return evicted
 
 
 class WriteBack:
@@ -36,16 +54,17 @@ class WriteBack:
             self._thread = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
             self._thread.start()
 
-    def submit(self, items: list[tuple[bytes, bytes]], *, through: bool) -> None:
+    def submit(self, items: list[tuple[bytes, bytes]], *, through: bool, chains: Sequence[list[bytes]] = ()) -> None:
         """Write `items` to the lower tiers: `through` for blocks the top tier keeps (then marked
-        placed below), else a demotion of blocks it evicted."""
-        if len(self.tiers) < 2 or not items:
+        placed below), else a demotion of blocks it evicted. `chains`: those a save extends, refreshed in
+        each lower tier with the put (`put_chained`)."""
+        if len(self.tiers) < 2 or not (items or chains):
             return
         if self._queue is None or self.on_writer_thread():  # a save's put: write through now, in its job
-            self._write(items, through)
+            self._write(items, through, chains)
             return
         try:
-            self._queue.put_nowait((items, through))
+            self._queue.put_nowait((items, through, chains))
         except queue.Full:  # never block the compute path on a slow tier
             self.num_dropped += len(items)
 
@@ -84,19 +103,19 @@ class WriteBack:
             finally:
                 self._queue.task_done()
 
-    def _write(self, items: list[tuple[bytes, bytes]], through: bool) -> None:
+    def _write(self, items: list[tuple[bytes, bytes]], through: bool, chains: Sequence[list[bytes]] = ()) -> None:
         if not through:  # evicted least recent first; a put takes the most valuable first (a chain root first)
             items = tail_first(items)
         keys = [k for k, _ in items]
         placed = False
         for tier in self.tiers[1:]:
             held = self._guarded(tier, "contains", lambda t=tier: t.contains_many(keys), [True] * len(items),
-                                 writing=True)
+                                 writing=True) if keys else []
             new = [(k, d) for (k, d), h in zip(items, held) if not h]
-            if new:
-                self._guarded(tier, "put", lambda t=tier, n=new: t.put_many(n), [], writing=True)
+            if new or chains:
+                self._guarded(tier, "put", lambda t=tier, n=new: put_chained(t, n, chains), [], writing=True)
             placed = placed or tier.health.writable
-        if through and placed:
+        if through and placed and keys:
             top = self.tiers[0]
             self._guarded(top, "placed_below", lambda: top.placed_below(keys), None, writing=True)
 

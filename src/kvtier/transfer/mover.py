@@ -80,6 +80,7 @@ class _Save:
     keys: list[bytes]
     blocks: Sequence[torch.Tensor]  # each [L, 2, H, T, D], on the CPU (owned by the save: copied off the step)
     skip_held: bool
+    chains: Sequence[list[bytes]] = ()  # the requests' chains the blocks extend (root first, new keys included)
 
 
 class BlockMover:
@@ -169,15 +170,20 @@ class BlockMover:
             return False
 
     # -- save ----------------------------------------------------------------------------------------
-    def save(self, keys: list[bytes], blocks: Sequence[torch.Tensor], *, skip_held: bool = False) -> bool:
+    def save(self, keys: list[bytes], blocks: Sequence[torch.Tensor], *, skip_held: bool = False,
+             chains: Sequence[list[bytes]] = ()) -> bool:
         """Encode `blocks` (each [L, 2, H, T, D], the block `keys[i]` names) and put them down the
         tiers, off the caller's thread. `skip_held`: first ask the tiers, write only what none holds.
+        `chains`: the requests' chains the blocks extend (each its blocks so far, root first, these new ones
+        included): a turn's save carries only its new blocks, and every tier that holds the chain's earlier
+        ones refreshes them with the put, tail first, without rewriting them (`TierManager.put_many`) — else
+        the new blocks would outrank the root they extend, and a full tier would strand them.
         False: the writer's queue was full and the save is dropped (counted). A block that must be in host
         memory now and stay there (an offloaded sequence's, leaving its device window) is not saved but pinned
         (`LLMEngine._offload_block`, `HostBlockPool.pin`): it shares `encode` and the manager's store."""
         if not keys:
             return True
-        job = _Save(list(keys), blocks, skip_held)
+        job = _Save(list(keys), blocks, skip_held, chains)
         if self._synchronous:
             self._save(job)
             return True
@@ -206,8 +212,8 @@ class BlockMover:
             if job.skip_held:
                 held = self.manager.contains_many(job.keys)
                 items = [item for item, is_held in zip(items, held) if not is_held]
-            if items:
-                self.manager.put_many([(key, self.encode(key, block)) for key, block in items])
+            if items or job.chains:
+                self.manager.put_many([(key, self.encode(key, block)) for key, block in items], chains=job.chains)
             saved = len(items)
         except Exception:  # noqa: BLE001 - a failed save is a future miss, never a failed request
             log.exception("saving %d blocks failed", len(job.keys))

@@ -28,11 +28,14 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Copy `block_ids` (full, computed device blocks of request `req_id`) down the tiers under `keys`."""
+    """Copy `block_ids` (full, computed device blocks of request `req_id`) down the tiers under `keys`.
+    `held_keys`: the request's blocks before them (root first), the chain the save extends: refreshed with it
+    in the worker's tiers that hold them (`BlockMover.save(chains=...)`)."""
 
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    held_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -60,8 +63,14 @@ def _shard_key(key: bytes, tag: bytes) -> bytes:
 
 
 def for_rank(specs: list, rank: int, world_size: int) -> list:
-    """`LoadSpec`s or `SaveSpec`s with their keys for rank `rank`'s shards."""
-    return [replace(spec, keys=shard_keys(spec.keys, rank, world_size)) for spec in specs]
+    """`LoadSpec`s or `SaveSpec`s with their keys (a save's `held_keys` too) for rank `rank`'s shards."""
+    out = []
+    for spec in specs:
+        keys = {"keys": shard_keys(spec.keys, rank, world_size)}
+        if isinstance(spec, SaveSpec):
+            keys["held_keys"] = shard_keys(spec.held_keys, rank, world_size)
+        out.append(replace(spec, **keys))
+    return out
 
 
 def request_namespace(cache_salt: str | None, lora_name: str | None = None) -> str:

@@ -20,8 +20,9 @@ this step: its new blocks attended to the holes — or, for a block found bad at
 proven layers 0..k-1 and holes after).
 Saves copy the step's newly full blocks out layer by layer as the forward leaves each layer (the blocks
 may be freed after the step), into one buffer the step end hands to the mover's save queue, which
-encodes and writes them; a full queue drops the save (a future miss) rather than stall a step. No tier
-error ever reaches vLLM.
+encodes and writes them; a full queue drops the save (a future miss) rather than stall a step. A save
+refreshes the chain it extends (`SaveSpec.held_keys`, then its new blocks) tail first in the worker's DRAM,
+without rewriting what it holds: a turn's new blocks never outrank their root. No tier error ever reaches vLLM.
 The worker's SSD and `shm:` tiers are plain file stores (`DiskStore`): the scheduler owns their index and
 eviction, and the files it evicted reach the worker in the step's metadata (`delete`), removed on the
 load thread, off the forward.
@@ -287,16 +288,17 @@ class WorkerSide:
             if not done:
                 self._copy_out(step, layer)
         self._copies.finish_saves()
-        keys, positions, offset = [], [], 0
+        keys, positions, chains, offset = [], [], [], 0
         for spec in step.specs:
             if spec.req_id not in failed_req_ids:
                 keys += spec.keys
                 positions += range(offset, offset + len(spec.keys))
+                chains.append(spec.held_keys + spec.keys)  # the chain the save extends: refreshed with it
             offset += len(spec.keys)
         if not keys:
             return
         # step.kv: [L, n, 2, H, T, D]; each saved block a view [L, 2, H, T, D] of it (the save owns it)
-        self.mover.save(keys, [step.kv[:, i] for i in positions])
+        self.mover.save(keys, [step.kv[:, i] for i in positions], chains=chains)
 
     def wait_saves(self) -> None:
         self.mover.wait_saves()
