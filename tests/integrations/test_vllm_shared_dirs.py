@@ -13,7 +13,7 @@ from kvtier.blocks import KeySpace, KVLayout
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
 from kvtier.integrations.vllm.worker import WorkerSide
-from kvtier.tiers import DiskStore, make_tier
+from kvtier.tiers import DiskStore, DiskTier, disk, make_tier
 from kvtier.tiers.manager import TierManager, build_manager
 
 L, H, T, D, NUM_BLOCKS = 2, 1, 4, 8, 12
@@ -136,6 +136,26 @@ def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
     scheduler.manager.close()
 
 
+def test_a_block_written_to_a_directory_that_did_not_admit_it_is_deleted_there(tmp_path, monkeypatch):
+    """The worker writes a step's blocks through to every directory once any took them: shm (2 blocks)
+    did not take the third, so its file there is in no index; the scheduler sees it land and ships its delete."""
+    monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
+    tiers = [f"shm:{tmp_path / 'shm'}:{2 * BLOCK_BYTES}", f"ssd:{tmp_path / 'ssd'}:{8 * BLOCK_BYTES}"]
+    scheduler = SchedulerSide(SPACE, build_manager(tiers, slot_bytes=BLOCK_BYTES, async_writes=False),
+                              block_bytes=BLOCK_BYTES)
+    req = request("r1", list(range(3 * T + 1)))
+    scheduler.after_alloc(req, [0, 1, 2, 3], 0)
+    keys = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3]).saves[0].keys
+    shm = DiskStore(tmp_path / "shm", name="shm")
+    assert scheduler.build_records({}, lambda _: []).deletes == {}  # not written yet
+    shm.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # the worker's write-through lands
+    assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [keys[2]]}
+    assert shm.delete_many([keys[2]]) == 1
+    assert scheduler.build_records({}, lambda _: []).deletes == {}
+    assert sorted(p.name for p in (tmp_path / "shm").glob("*/*.kvb")) == sorted(shm._path(k).name for k in keys[:2])
+    scheduler.manager.close()
+
+
 def test_blocks_a_load_takes_from_below_are_admitted_into_the_directory_the_worker_promotes_them_into(tmp_path):
     """The worker's manager copies what a read found below its top tier into it (shm here): the
     scheduler counts those copies in shm's index too, so shm's evictions keep it at its size."""
@@ -175,3 +195,114 @@ def test_tensor_parallel_shards_of_a_block_are_evicted_together_tail_first(tmp_p
         store.put_many([(key, bytes(BLOCK_BYTES)) for key in scheduler._rank_keys(records.saves[0].keys)])
     assert scheduler.num_matched_tokens(request("a2", list(range(2 * T + 1))), 0) == T
     scheduler.manager.close()
+
+
+# -- pins from the lookup on ----------------------------------------------------------------------------
+
+def saved_prompt(scheduler, worker, num_blocks: int) -> list[bytes]:
+    """A request that sent `num_blocks` blocks down; their keys."""
+    first = request("saver", list(range(num_blocks * T + 1)))
+    scheduler.after_alloc(first, list(range(num_blocks + 1)), 0)
+    keys = step(scheduler, worker, first, list(range(num_blocks + 1))).saves[0].keys
+    scheduler.finished("saver")
+    return keys
+
+
+def pinned(scheduler, keys: list[bytes]) -> list[bool]:
+    """Which blocks another process sees pinned (a shared lock on their byte of the lock file)."""
+    owner = scheduler.manager.tiers[0]
+    other = DiskStore(owner.directory)
+    try:
+        return [other._locks.pinned_elsewhere(key) for key in keys]
+    finally:
+        other.close()
+
+
+def no_pins_left(scheduler) -> bool:
+    owner = scheduler.manager.tiers[0]
+    return not owner._pins and owner._locks.num_pinned() == 0 and not scheduler._pins
+
+
+def test_a_lookup_pins_what_it_offers_until_the_load_is_done(sides):
+    """Between vLLM's lookup and its allocation another process cannot evict what the lookup offered; the
+    allocation keeps the pins for the load, which releases them when reported done."""
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    again = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(again, 0) == 3 * T and pinned(scheduler, keys) == [True] * 3
+    assert store.delete_many(keys) == 0  # another process's evictions leave them
+    scheduler.after_alloc(again, [4, 5, 6, 7], 3 * T)
+    scheduler.build_records({"r2": 0}, lambda _: [4, 5, 6, 7])
+    assert pinned(scheduler, keys) == [True] * 3
+    scheduler.loaded_from({"r2": ["ssd"] * 3})
+    assert pinned(scheduler, keys) == [False] * 3 and no_pins_left(scheduler)
+
+
+def test_a_lookup_not_scheduled_is_released_at_the_step_s_end_and_a_later_one_replaces_it(sides):
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    waiting = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T  # looked up again: one pin per block, not two
+    assert scheduler.manager.tiers[0]._pins == {key: 1 for key in keys}
+    scheduler.build_records({}, lambda _: [])  # not allocated this step
+    assert pinned(scheduler, keys) == [False] * 3 and no_pins_left(scheduler)
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T and pinned(scheduler, keys) == [True] * 3
+    scheduler.finished("r2")  # aborted while waiting
+    assert no_pins_left(scheduler)
+
+
+def test_an_allocation_of_fewer_tokens_keeps_only_their_pins(sides):
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    req = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(req, 0) == 3 * T
+    scheduler.after_alloc(req, [4, 5, 6, 7], T)
+    assert pinned(scheduler, keys) == [True, False, False]
+    scheduler.finished("r2")  # aborted before its load was reported
+    assert no_pins_left(scheduler)
+    other = request("r3", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(other, 0) == 3 * T
+    scheduler.after_alloc(other, [4, 5, 6, 7], 0)  # allocated with no external tokens: nothing loads
+    assert no_pins_left(scheduler) and pinned(scheduler, keys) == [False] * 3
+
+
+def test_a_lookup_offers_only_the_run_it_could_pin(sides, monkeypatch):
+    """A block evicted between the lookup's match and its pin ends the offered run; pins past it are released."""
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    match = scheduler._match
+
+    def match_then_evict(chain):
+        tiers = match(chain)
+        store.delete_many([keys[1]])  # another process evicts the middle block right then
+        return tiers
+
+    monkeypatch.setattr(scheduler, "_match", match_then_evict)
+    assert scheduler.num_matched_tokens(request("r2", list(range(3 * T + 1))), 0) == T
+    assert pinned(scheduler, keys) == [True, False, False]
+    scheduler.finished("r2")
+    assert no_pins_left(scheduler)
+
+
+def test_a_delete_the_worker_could_not_do_is_shipped_again_until_done(sides, tmp_path, monkeypatch):
+    """Another process pinned a file the scheduler evicted: the worker's delete leaves it; the scheduler sees
+    it still there at a later step and ships it again, until it goes (no file outside every index)."""
+    monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    other = DiskTier(tmp_path, 8 * BLOCK_BYTES)
+    assert other.pin_many([keys[2]]) == [True]
+    new = request("r3", [100 + t for t in range(2 * T + 1)])
+    scheduler.after_alloc(new, [8, 9, 10], 0)
+    assert step(scheduler, worker, new, [8, 9, 10]).deletes == {"ssd": [keys[2], keys[1]]}
+    assert store._path(keys[2]).exists() and not store._path(keys[1]).exists()
+    assert step(scheduler, worker, new, [8, 9, 10]).deletes == {"ssd": [keys[2]]}  # pinned still: stays
+    assert store._path(keys[2]).exists()
+    other.unpin([keys[2]])
+    assert step(scheduler, worker, new, [8, 9, 10]).deletes == {"ssd": [keys[2]]}
+    assert not store._path(keys[2]).exists()
+    assert step(scheduler, worker, new, [8, 9, 10]).deletes == {}
+    assert len(list(tmp_path.glob("*/*.kvb"))) == scheduler.manager.tiers[0].num_blocks() == 3
+    assert worker.take_stats()["deleted_blocks"] == 2
+    other.close()

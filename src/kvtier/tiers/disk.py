@@ -31,9 +31,16 @@ is writing or has pinned for a load:
 - a write goes to a temporary name of its own (`<key>.kvb.<pid>-<random>.tmp`), linked into place
   (never over a block already there); start-up removes only temporary files older than
   `TMP_GRACE_SECONDS` (a crash's, not a live write);
-- a pin (`pin_many`, the lookup a load follows) holds a shared `flock` on the block's file until
-  `unpin`; every eviction takes the exclusive lock first (non-blocking) and leaves a locked
-  file where it is — it only leaves the evicting process's index (and is adopted again when found);
+- a pin (`pin_many`, the lookup a load follows) is a shared byte-range lock on the block's byte of a lock
+  file (`.kvtier-locks/`, Linux open file description locks: `_BlockLocks`), held until `unpin`: no
+  descriptor per pin, so any number of pins hold in every process; every eviction takes the exclusive lock
+  first (non-blocking), holds it across the unlink, and leaves a locked file where it is;
+- no file stays on disk that no index counts: a file an eviction left (pinned) is a leftover of the
+  evicting index (`leftover_bytes`), tried again at each later eviction pass and at `close`, until it goes
+  or an index takes it in again (a lookup's adoption, a write of the same key); an owner that hands its
+  deletes off (`hand_deletes_off`) looks again at what it handed off, and hands off again a file still there
+  a while later (a delete refused for another process's pin, a write queued before the eviction that
+  landed after the delete: `take_deletes`);
 - a lookup (`contains_many`) checks that an indexed file is still there: another process's eviction
   or a write still to land is a miss, not a stale hit; a reader that loses a race anyway gets a
   missing file (a miss) or fails the header checksum (`codecs.header.verify`): recomputed, never wrong.
@@ -45,10 +52,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
 import secrets
+import struct
 import threading
 import time
 from pathlib import Path
@@ -67,7 +76,13 @@ log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _BLOCK_SUFFIX = ".kvb"
 _PROBE_NAME = ".kvtier-probe"
+_LOCKS_NAME = ".kvtier-locks"  # every process's pins and evictions of the directory's blocks (`_BlockLocks`)
+LOCK_FILES = 16  # ... in this many files (an index opens each once): a lock call walks its file's locks
+_FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0: an OFD lock)
 TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not another process's live one
+SHIPPED_RECHECK_SECONDS = 1.0  # `take_deletes`: how often (and how late) a handed-off key's file is looked for
+SHIPPED_WATCH_SECONDS = 30.0  # ... for how long while it is gone (a write queued before its eviction)
+SHIPPED_CHECKS_PER_CALL = 64  # ... and how many at most per call (one step's bounded cost)
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
@@ -96,14 +111,119 @@ def _place(tmp: Path, path: Path) -> None:
         os.replace(tmp, path)
 
 
-def _open_files_limit() -> int:
-    try:
-        import resource
+class _BlockLocks:
+    """Pins and evictions of a directory's blocks, for every process on it: byte-range locks, one byte per
+    block (at a hash of its key) in one of `LOCK_FILES` files under `.kvtier-locks/`. Linux open file
+    description locks (`F_OFD_SETLK`): owned by an open of the file, not by the process, so two indexes in one
+    process exclude each other as two processes do, and closing another descriptor never drops them. A pin
+    costs no descriptor of its own: an index keeps one open per lock file it used (at most `LOCK_FILES`), and
+    any number of pins hold, in every process. The kernel keeps a file's locks in one list that every lock call
+    walks (measured: ~25 ns per lock held), hence several files: 10,000 pins held make a pin ~+10 us.
+    - a pin: a shared lock, non-blocking (refused while an eviction holds the byte); this index's pins of one
+      byte are counted, the lock taken at the first and dropped at the last;
+    - an eviction: an exclusive lock on the same open, non-blocking (refused while another index pins the
+      byte; this index's own pins are its counts, checked under the same mutex), held across the unlink.
+    Two keys on one byte (1 in 2^62) only make an eviction wait for the other key's pin. No lock file (a
+    read-only directory nobody can delete from): pins hold in this index only, evictions take no lock."""
 
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return 1024
-    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    _SPAN = (1 << 62) - 1  # offsets below 2^62: off_t never overflows
+
+    def __init__(self, directory: Path) -> None:
+        self._dir = directory / _LOCKS_NAME
+        try:
+            self._dir.mkdir(exist_ok=True)
+        except OSError:
+            pass  # read-only: shared locks need only readable files, if they are there
+        self._mutexes = [threading.Lock() for _ in range(LOCK_FILES)]  # a file's counts and lock calls in order
+        self._fds: list[int | None] = [None] * LOCK_FILES  # this index's open of each lock file
+        self._writable = [False] * LOCK_FILES
+        self._pins: dict[tuple[int, int], int] = {}  # (lock file, byte) -> this index's pins on it
+        self._closed = False
+
+    @classmethod
+    def _where(cls, key: bytes) -> tuple[int, int]:
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+        return h % LOCK_FILES, (h >> 2) & cls._SPAN
+
+    def _fd(self, n: int) -> int | None:
+        """This index's open of lock file `n` (under its mutex), opened at first use."""
+        if self._fds[n] is None and not self._closed:
+            path = self._dir / f"{n:02x}"
+            try:
+                self._fds[n], self._writable[n] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
+            except OSError:
+                try:  # a read-only directory: shared locks need only a readable file
+                    self._fds[n] = os.open(path, os.O_RDONLY)
+                except OSError:
+                    pass
+        return self._fds[n]
+
+    @staticmethod
+    def _lock(fd: int, cmd: int, kind: int, byte: int) -> int:
+        """One `fcntl` on one byte; returns the lock type found (`F_OFD_GETLK`)."""
+        got = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, byte, 1, 0))
+        return struct.unpack(_FLOCK, got)[0]
+
+    def pin(self, key: bytes) -> bool:
+        """Hold `key` shared; False while an eviction (any index's) holds it."""
+        where = n, byte = self._where(key)
+        with self._mutexes[n]:
+            if not self._pins.get(where) and (fd := self._fd(n)) is not None:
+                try:
+                    self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, byte)
+                except OSError:
+                    return False  # EAGAIN: being evicted right now
+            self._pins[where] = self._pins.get(where, 0) + 1
+        return True
+
+    def unpin(self, key: bytes) -> None:
+        where = n, byte = self._where(key)
+        with self._mutexes[n]:
+            left = self._pins.pop(where) - 1
+            if left:
+                self._pins[where] = left
+            elif self._fds[n] is not None:
+                self._lock(self._fds[n], fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
+
+    def evict(self, key: bytes, remove) -> bool:
+        """`remove()` under `key`'s exclusive lock; False (not called) while any index pins it."""
+        where = n, byte = self._where(key)
+        with self._mutexes[n]:
+            if self._closed or self._pins.get(where):
+                return False
+            fd = self._fd(n)
+            if fd is None or not self._writable[n]:
+                remove()
+                return True
+            try:
+                self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, byte)
+            except BlockingIOError:
+                return False
+            try:
+                remove()
+            finally:
+                self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
+        return True
+
+    def pinned_elsewhere(self, key: bytes) -> bool:
+        """Whether another index (any process's) pins `key` (a test's view)."""
+        n, byte = self._where(key)
+        with self._mutexes[n]:
+            fd = self._fd(n)
+            return fd is not None and self._lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, byte) != fcntl.F_UNLCK
+
+    def num_pinned(self) -> int:
+        return sum(list(self._pins.values()))
+
+    def close(self) -> None:
+        """Every lock of this index goes with its descriptors."""
+        for n, mutex in enumerate(self._mutexes):
+            with mutex:
+                if self._fds[n] is not None:
+                    os.close(self._fds[n])
+                    self._fds[n] = None
+                self._closed = True
+        self._pins.clear()
 
 
 def _key_of(path: Path) -> bytes | None:
@@ -135,9 +255,10 @@ class DiskTier:
         self._index_lock = threading.Lock()
         self._in_flux: set[bytes] = set()
         self._pins: dict[bytes, int] = {}  # blocks a load will read (`pin_many`): never evicted meanwhile
-        self._pin_fds: dict[bytes, int] = {}  # their files, each under a shared flock (other processes' pin)
-        self._max_pin_fds = max(16, _open_files_limit() // 4)  # past it a pin holds in this process only
+        self._locks = _BlockLocks(self.directory)  # ... nor by any other process (a shared lock per pin)
+        self._leftovers: dict[bytes, int] = {}  # evicted, but another process pinned the file: deleted later
         self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
+        self._shipped: dict[bytes, tuple[float, float]] = {}  # handed off: (when, last looked at), in that order
         self._readers: Tasks | None = None  # this tier's reads on the process's transfer executor
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
@@ -190,8 +311,9 @@ class DiskTier:
                 found.append((stat.st_mtime_ns, key, stat.st_size))
         for _, key, size in sorted(found):
             self._max_block_bytes = max(self._max_block_bytes, size)
-            for victim, _ in self._lru.insert(key, size) or []:
-                self._remove_unpinned(self._path(victim))  # more than the configured size
+            for victim, victim_size in self._lru.insert(key, size) or []:  # more than the configured size
+                if not self._remove_unpinned(victim):
+                    self._leftovers[victim] = victim_size
 
     def _remove(self, path: Path) -> None:
         try:
@@ -199,32 +321,20 @@ class DiskTier:
         except OSError as exc:  # a read-only disk: the file stays, unindexed
             self._write_failed(exc)
 
-    def _remove_unpinned(self, path: Path) -> bool:
-        """Delete a block file unless a load pinned it (any process's `pin_many`: a shared flock on it);
-        False when it stays. The exclusive lock is held across the unlink, so a pin taken meanwhile
-        sees the file gone (`_pin_file`); a file replaced meanwhile (`os.replace`, where there are no
-        hard links) is left alone."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return True
-        except OSError:
-            self._remove(path)  # unreadable (permissions): nobody can have pinned it either
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                path.unlink()
-            return True
-        except BlockingIOError:
-            return False  # pinned for a load
-        except FileNotFoundError:
-            return True
-        except OSError as exc:  # a read-only disk: the file stays, unindexed
-            self._write_failed(exc)
-            return True
-        finally:
-            os.close(fd)  # drops the lock
+    def _remove_unpinned(self, key: bytes) -> bool:
+        """Delete a block's file unless a load pinned it (any process's `pin_many`: a shared lock on its byte
+        of the lock file); False when it stays (pinned, or the disk refused: it is tried again later). The
+        exclusive lock is held across the unlink, so a pin taken meanwhile finds the file gone (`_pin`)."""
+        removed = [True]
+
+        def remove() -> None:
+            try:
+                self._path(key).unlink(missing_ok=True)
+            except OSError as exc:  # a read-only disk: the file stays
+                self._write_failed(exc)
+                removed[0] = False
+
+        return self._locks.evict(key, remove) and removed[0]
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         # tail first: a block adopted (or resized) here is inserted anew, and a request's root ends most recent
@@ -232,10 +342,10 @@ class DiskTier:
 
     def pin_many(self, keys: list[bytes]) -> list[bool]:
         """`contains_many`, each held block kept from eviction until `unpin` — this process's and every
-        other's (a shared flock on its file) — and refreshed (a use), tail first. A file that goes anyway
-        (removed by hand; a process past its open-files budget pins in its own index only) makes the read
-        a miss: recomputed."""
-        return tail_first([self._holds(key) and self._pin(key) for key in tail_first(keys)])
+        other's (a shared lock on the block's byte of `.kvtier-locks`, no descriptor of its own: any number of
+        pins) — and refreshed (a use), tail first. A file that goes anyway (removed by hand) makes the read a
+        miss: recomputed."""
+        return tail_first([self._pin(key) for key in tail_first(keys)])
 
     def touch_many(self, keys: list[bytes]) -> None:
         """Refresh a request's blocks (root first) tail first: the manager, after a read that came in chunks."""
@@ -243,56 +353,31 @@ class DiskTier:
             self._lru.touch_many(keys)
 
     def _pin(self, key: bytes) -> bool:
-        """Pinned for a load: a use (the owner of a directory a worker reads sees no read of its own)."""
+        """Held, and pinned for a load: a use (the owner of a directory a worker reads sees no read of its
+        own). The lock comes first, then the lookup: an eviction holds its lock across the unlink, so a file
+        found now stays until `unpin`."""
+        if not self._locks.pin(key):
+            return False  # being evicted right now
+        if not self._holds(key):
+            self._locks.unpin(key)
+            return False
         with self._index_lock:
             self._lru.touch(key)
-            if key in self._pins:
-                self._pins[key] += 1
-                return True
-            over_budget = len(self._pin_fds) >= self._max_pin_fds
-        fd = None if over_budget else self._pin_file(self._path(key))
-        if fd is None and not over_budget:
-            return False  # gone since the lookup, or being evicted right now
-        with self._index_lock:
-            if key in self._pins:  # pinned meanwhile (the other side): one file lock is enough
-                self._pins[key] += 1
-                if fd is not None:
-                    os.close(fd)
-                return True
-            self._pins[key] = 1
-            if fd is not None:
-                self._pin_fds[key] = fd
+            self._pins[key] = self._pins.get(key, 0) + 1
         return True
 
-    @staticmethod
-    def _pin_file(path: Path) -> int | None:
-        """An open descriptor of `path` under a shared flock, or None if the file is gone or an
-        eviction holds it (an unlinked file has no links: evicted before our lock came)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if os.fstat(fd).st_nlink > 0:
-                return fd
-        except OSError:
-            pass
-        os.close(fd)
-        return None
-
     def unpin(self, keys: list[bytes]) -> None:
-        fds = []
+        """One `unpin` per `pin_many` that held the block; the last one lets any process evict it again."""
+        released = []
         with self._index_lock:
             for key in keys:
                 if key in self._pins:
                     self._pins[key] -= 1
                     if not self._pins[key]:
                         del self._pins[key]
-                        fds.append(self._pin_fds.pop(key, None))
-        for fd in fds:
-            if fd is not None:
-                os.close(fd)  # drops the flock: other processes may evict the block again
+                    released.append(key)
+        for key in released:
+            self._locks.unpin(key)
 
     def placed_below(self, keys: list[bytes]) -> None:
         pass  # the SSD evicts by deleting: it never hands blocks back for demotion
@@ -344,52 +429,118 @@ class DiskTier:
         `_evict` removed their files."""
         victims = self._lru.insert(key, size, pinned=self._in_flux.union(self._pins, batch))
         self._in_flux.update(victim for victim, _ in victims or [])
+        self._leftovers.pop(key, None)  # counted again: not ours to delete later
         return victims
 
     def _evict(self, victims: list[tuple[bytes, int]]) -> None:
-        """Delete the victims' files (or hand them to `take_deletes`); a file another process pinned
-        stays, out of our index only."""
+        """Delete the victims' files (or hand them to `take_deletes`). A file another process pinned stays,
+        out of our index, as a leftover: tried again at every later eviction pass (and at `close`) until it
+        goes or is indexed again, so no file stays on disk that no index counts."""
         keys = [victim for victim, _ in victims]
         if self._deletes is not None:  # the process that deletes them announces them
             with self._index_lock:
                 self._deletes.extend(keys)
+                self._in_flux.difference_update(keys)
             self.stats.evictions += len(keys)
-        else:
-            removed = [key for key in keys if self._remove_unpinned(self._path(key))]
-            self.stats.evictions += len(removed)
-            announce_removed(self, removed)
+            return
+        victims = victims + self._take_leftovers()
+        removed = []
+        for key, size in victims:
+            if self._remove_unpinned(key):
+                removed.append(key)
+            else:
+                with self._index_lock:
+                    self._leftovers[key] = size
+        self.stats.evictions += len(removed)
+        announce_removed(self, removed)
         with self._index_lock:
-            self._in_flux.difference_update(keys)
+            self._in_flux.difference_update(key for key, _ in victims)
+
+    def _take_leftovers(self) -> list[tuple[bytes, int]]:
+        """The leftovers to try again now (in flux meanwhile, as victims are)."""
+        with self._index_lock:
+            if not self._leftovers:
+                return []
+            ready = [(key, size) for key, size in self._leftovers.items()
+                     if key not in self._lru and key not in self._in_flux]
+            for key, _ in ready:
+                del self._leftovers[key]
+            self._in_flux.update(key for key, _ in ready)
+        return ready
+
+    def leftover_bytes(self) -> int:
+        """Evicted blocks whose files are still on disk, pinned by another process: deleted at a later pass."""
+        with self._index_lock:
+            return sum(self._leftovers.values())
 
     def hand_deletes_off(self) -> None:
         """From now on this index decides evictions and another process executes them: evicted keys
         collect for `take_deletes` instead of being deleted here (vLLM: the scheduler owns the index,
-        its workers delete what the step's metadata tells them)."""
+        its workers delete what the step's metadata tells them). Leftovers of the start-up scan go with
+        the first ones."""
         with self._index_lock:
-            self._deletes = []
+            self._deletes = list(self._leftovers)
+            self._leftovers.clear()
 
     def take_deletes(self) -> list[bytes]:
-        """The keys evicted since the last call (after `hand_deletes_off`), LRU first."""
+        """The keys evicted since the last call (after `hand_deletes_off`), LRU first, and again any key handed
+        off a while ago whose file is still there and that no index here counts: a delete the other side
+        could not do (another process pinned the file) or a write that landed after it (queued before the
+        eviction). A handed-off key is watched for `SHIPPED_WATCH_SECONDS`, and for as long as its file stays,
+        looked at every `SHIPPED_RECHECK_SECONDS` (the other side has had its step to delete it), at most
+        `SHIPPED_CHECKS_PER_CALL` a call, least recently looked at first: a bounded cost per step."""
+        now = time.monotonic()
         with self._index_lock:
-            if not self._deletes:
-                return []
-            deletes, self._deletes = self._deletes, []
-        return deletes
+            deletes, self._deletes = self._deletes or [], []
+            due = []
+            for key, (since, checked) in self._shipped.items():  # in the order they were last looked at
+                if len(due) == SHIPPED_CHECKS_PER_CALL or now - checked < SHIPPED_RECHECK_SECONDS:
+                    break
+                due.append((key, since))
+            for key, _ in due:
+                del self._shipped[key]
+            self._watch(deletes, now)
+        if not due:
+            return deletes
+        root = os.fspath(self.directory)  # `_path` as a string: a third of pathlib's cost, per key a step
+        still_there = {key for key, _ in due if os.path.exists(f"{root}/{key.hex()[:2]}/{key.hex()}{_BLOCK_SUFFIX}")}
+        again = []
+        with self._index_lock:
+            for key, since in due:
+                if key in self._lru or key in self._in_flux or key in self._shipped:
+                    continue  # indexed again (counted), or handed off anew
+                if key in still_there:
+                    again.append(key)
+                elif now - since > SHIPPED_WATCH_SECONDS:
+                    continue  # gone, and no write of it can still be on its way
+                self._shipped[key] = (since, now)
+        return deletes + again
+
+    def _watch(self, keys: list[bytes], now: float) -> None:
+        """Watch `keys` as handed off now (under the index lock): at the end of the order, looked at later."""
+        for key in keys:
+            self._shipped.pop(key, None)
+            self._shipped[key] = (now, now)
 
     def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
         """Index blocks another process is about to write here (their size as `size_bytes`, corrected
         by the first lookup that finds the file), evicting to make room as a write would; whether each
         is indexed (not: everything else is pinned or one of `keys`, which never evict each other: a chain
         longer than the tier keeps its first blocks). Refreshed tail first (`kvtier.lru`). Until their files
-        land, lookups find them missing."""
+        land, lookups find them missing. After `hand_deletes_off`, one not indexed is watched as a handed-off
+        delete (`take_deletes`): the other process may write it anyway (vLLM's worker writes a block through
+        to every directory when any took it), and a file that lands is handed off for deletion."""
         victims: list[tuple[bytes, int]] = []
         batch = set(keys)
+        now = time.monotonic()
         with self._index_lock:
             for key in keys:
                 if key not in self._lru and key not in self._in_flux:
                     victims += self._insert(key, size_bytes, batch) or []
             admitted = [key in self._lru for key in keys]
             self._lru.touch_many(keys)
+            if self._deletes is not None:
+                self._watch([key for key, ok in zip(keys, admitted) if not ok], now)
         self._evict(victims)
         return admitted
 
@@ -703,11 +854,11 @@ class DiskTier:
         if self._readers is not None:
             self._readers.join()  # its reads and stamps still out (the executor is the process's)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
+        if self._deletes is None and self._leftovers:
+            self._evict([])  # a last try at the leftovers (a file still pinned stays: the next start-up indexes it)
         with self._index_lock:
-            fds, self._pin_fds = list(self._pin_fds.values()), {}
             self._pins.clear()
-        for fd in fds:
-            os.close(fd)
+        self._locks.close()  # every pin's lock goes with it
 
 
 class DiskStore(DiskTier):
@@ -739,7 +890,7 @@ class DiskStore(DiskTier):
 
     def delete_many(self, keys: list[bytes]) -> int:
         """The files the owner's index evicted: how many went (one a load pinned stays)."""
-        return sum(self._delete(key, self._remove_unpinned) for key in keys)
+        return sum(self._delete(key, lambda _: self._remove_unpinned(key)) for key in keys)
 
     def _delete(self, key: bytes, remove) -> bool:
         with self._index_lock:

@@ -9,11 +9,14 @@ The shared directories (SSD, `shm:`) have one owner, this side (as vLLM's offloa
 its index in the scheduler): their index and eviction are decided here, the workers only write, read
 and delete files. A step's saves are admitted into the index when they are sent down (evicting to make
 room; a block not written yet is a miss until its file lands); the keys evicted go to the workers in
-the step's records (`StepRecords.deletes`); the blocks a load will read are pinned from allocation until
-the worker reports the load done (`loaded_from`), so neither this index nor any other process's
-(`DiskTier` pins are file locks) deletes them meanwhile. A request's blocks are refreshed tail first
-(`kvtier.lru`): a load's pins, and each step that sends blocks down refreshes the request's whole chain
-after admitting them, so its root stays the most recent and a full directory evicts chains from their tails.
+the step's records (`StepRecords.deletes`). The blocks a lookup offers are pinned at the lookup, so neither
+this index nor any other process's (`DiskTier` pins are locks every process honours) deletes them before
+vLLM allocates for them: the allocation trims the pins to what it takes (all released if it takes none), a
+request looked up but not allocated this step is released when the step's records are built (its next
+lookup pins again), and what a load takes stays pinned until the worker reports the load done
+(`loaded_from`) or the request ends. A request's blocks are refreshed tail first (`kvtier.lru`): a lookup's
+pins, and each step that sends blocks down refreshes the request's whole chain after admitting them, so its
+root stays the most recent and a full directory evicts chains from their tails.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class SchedulerSide:
                              if isinstance(tier, DiskTier) and tier.owns_index}
         for tier in self._directories.values():
             tier.hand_deletes_off()
-        self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> its load's pinned files
+        self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> the files it pinned
+        self._unallocated: set[str] = set()  # pinned by a lookup this step, not allocated (yet)
         self._promote_into = self._directories.get(promote_into) if promote_into else None
         self._trackers: dict[str, RequestTracker] = {}
         self._plans: dict[str, LoadPlan] = {}
@@ -75,7 +79,9 @@ class SchedulerSide:
         tokens = request.all_token_ids
         num_blocks = (len(tokens) - 1) // self.block_tokens
         first = num_computed_tokens // self.block_tokens
-        self._plans.pop(request.request_id, None)
+        req_id = request.request_id
+        self._plans.pop(req_id, None)
+        self._release(req_id)  # a later lookup replaces the earlier one's pins
         if num_blocks <= first:
             return 0
         keys = self._tracker(request).keys_for(tokens, num_blocks)[first:]
@@ -84,8 +90,12 @@ class SchedulerSide:
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
             log.exception("kvtier: lookup failed; computing the prompt")
             return 0
+        tiers = tiers[:self._pin(req_id, keys[:len(tiers)], tiers)]  # offered: only what stays until the alloc
         if tiers:
-            self._plans[request.request_id] = LoadPlan(first, keys[:len(tiers)], tiers)
+            self._plans[req_id] = LoadPlan(first, keys[:len(tiers)], tiers)
+            self._unallocated.add(req_id)
+        else:
+            self._unpin(req_id)
         return len(tiers) * self.block_tokens
 
     def _match(self, keys: list[bytes]) -> list[str]:
@@ -104,9 +114,12 @@ class SchedulerSide:
         self._requests[request.request_id] = request
         plan = self._plans.pop(request.request_id, None)
         if plan is None or num_external_tokens <= 0:
+            self._release(request.request_id)  # a lookup's pins nothing will load
             return
         num_blocks = num_external_tokens // self.block_tokens
         assert num_blocks <= len(plan.keys), (num_blocks, len(plan.keys))
+        self._unallocated.discard(request.request_id)
+        self._trim_pins(request.request_id, plan.keys[:num_blocks])
         plan.keys, plan.tiers = plan.keys[:num_blocks], plan.tiers[:num_blocks]
         ids = block_ids[plan.first_block:plan.first_block + num_blocks]
         self._records.loads.append(LoadSpec(request.request_id, plan.keys, ids, list(plan.tiers)))
@@ -114,7 +127,6 @@ class SchedulerSide:
             self.on_blocks(request, plan.first_block, plan.keys, plan.tiers)
         tracker.load, tracker.load_block_ids = plan, ids
         tracker.num_saved_blocks = max(tracker.num_saved_blocks, plan.first_block + num_blocks)
-        self._pin(request.request_id, plan.keys, plan.tiers)
         self._admit_promotions(plan.keys, plan.tiers)
 
     def _rank_keys(self, keys: list[bytes]) -> list[bytes]:
@@ -123,19 +135,37 @@ class SchedulerSide:
         shards = [shard_keys(keys, rank, self.world_size) for rank in range(self.world_size)]
         return [shard[i] for i in range(len(keys)) for shard in shards]
 
-    def _pin(self, req_id: str, keys: list[bytes], tiers: list[str]) -> None:
-        """Keep the blocks a load will read from eviction (ours and any other process's) until it is done."""
+    def _pin(self, req_id: str, keys: list[bytes], tiers: list[str]) -> int:
+        """Keep the blocks a lookup found in the directories from eviction (ours and any other process's)
+        until a load of them is done or the lookup is dropped: how many of `keys`, from the first, are held
+        (a block that went since the lookup ends the run; blocks in other tiers count as held)."""
         self._unpin(req_id)
-        pins = []
+        pins, lost = [], len(keys)
         for name, tier in self._directories.items():
-            files = self._rank_keys([key for key, where in zip(keys, tiers) if where == name])
+            blocks = [i for i, where in enumerate(tiers) if where == name]
+            files = self._rank_keys([keys[i] for i in blocks])
             try:
                 held = tier.pin_many(files) if files else []
-            except Exception:  # noqa: BLE001 - a pin that fails makes a miss at worst, never a failed step
+            except Exception:  # noqa: BLE001 - a pin that fails is a miss, never a failed step
                 log.exception("kvtier: pinning a load in %s failed", name)
-                continue
+                held = [False] * len(files)
             pins.append((tier, [key for key, h in zip(files, held) if h]))
+            ws = self.world_size
+            lost = min([lost] + [i for n, i in enumerate(blocks) if not all(held[n * ws:(n + 1) * ws])])
         self._pins[req_id] = pins
+        if lost < len(keys):
+            self._trim_pins(req_id, keys[:lost])
+        return lost
+
+    def _trim_pins(self, req_id: str, keys: list[bytes]) -> None:
+        """Keep only the pins of `keys` (a load of fewer blocks than its lookup offered)."""
+        files = set(self._rank_keys(keys))
+        kept = []
+        for tier, pinned in self._pins.get(req_id, []):
+            tier.unpin([key for key in pinned if key not in files])
+            kept.append((tier, [key for key in pinned if key in files]))
+        if req_id in self._pins:
+            self._pins[req_id] = kept
 
     def _admit_promotions(self, keys: list[bytes], tiers: list[str]) -> None:
         """The worker will copy the blocks it loads from below its top directory into it: index them
@@ -152,6 +182,12 @@ class SchedulerSide:
         for tier, files in self._pins.pop(req_id, []):
             tier.unpin(files)
 
+    def _release(self, req_id: str) -> None:
+        """Drop the pins of a lookup not followed by an allocation (a load's stay until `loaded_from`)."""
+        if req_id in self._unallocated:
+            self._unallocated.discard(req_id)
+            self._unpin(req_id)
+
     def _admit(self, saves: list[SaveSpec], chains: list[list[bytes]]
                ) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
         """Index the blocks sent down this step in each directory, then refresh the `chains` (each saving
@@ -159,7 +195,8 @@ class SchedulerSide:
         took (one no index has room for — all of it pinned — is not written: a future miss), and the files
         that evicted (and lookups' adoptions) for the workers to delete. A block one directory could not
         keep but another did is written to both (the worker writes through to every tier): outside the
-        first one's index, until a lookup adopts it — a step that sends more blocks than a directory holds."""
+        first one's index, which watches for the file and ships its delete once it lands (`DiskTier.admit`)
+        — a step that sends more blocks than a directory holds."""
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
         files = self._rank_keys(keys)  # files[i * world_size + rank] is rank's shard of keys[i]
         ws = self.world_size
@@ -192,6 +229,8 @@ class SchedulerSide:
 
     def build_records(self, num_scheduled_tokens: dict[str, int], block_ids_of) -> StepRecords:
         """This step's loads, and the blocks that are full and computed once it ran (prompt and output)."""
+        for req_id in list(self._unallocated):  # looked up, not scheduled: pinned again at its next lookup
+            self._release(req_id)
         chains = []  # the saving requests' blocks so far, refreshed once admitted
         for req_id, num_new in num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -227,6 +266,7 @@ class SchedulerSide:
                 tracker.load.tiers = tiers[:len(tracker.load.tiers)]
 
     def finished(self, request_id: str) -> None:
+        self._unallocated.discard(request_id)
         self._unpin(request_id)
         self._trackers.pop(request_id, None)
         self._requests.pop(request_id, None)
