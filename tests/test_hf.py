@@ -74,8 +74,11 @@ def test_a_reset_cache_serves_the_next_request_in_the_same_buffers(tmp_path, tin
     cache.load_prefix(ids, reserve_tokens=12)
     out = _greedy(tiny_model, ids, cache)
     cache.store(torch.cat([ids[0], torch.tensor(out)]))
+    cache.reset()  # the first restore joins the layers' buffers into one allocation (`_join_buffers`) ...
+    assert cache.load_prefix(ids, reserve_tokens=12) == 5 * BLOCK
+    assert _greedy(tiny_model, ids, cache) == out
     pointers = [layer.buffers()[0].data_ptr() for layer in cache.layers]
-    cache.reset()
+    cache.reset()  # ... which every later request reuses
     assert cache.get_seq_length() == 0 and cache.prefix.cached_tokens == 0
     assert cache.load_prefix(ids, reserve_tokens=12) == 5 * BLOCK
     assert [layer.buffers()[0].data_ptr() for layer in cache.layers] == pointers
@@ -83,6 +86,30 @@ def test_a_reset_cache_serves_the_next_request_in_the_same_buffers(tmp_path, tin
     cache.reset()  # another prompt, nothing cached: computed in the same buffers
     assert cache.load_prefix(other) == 0
     assert _greedy(tiny_model, other, cache) == _greedy(tiny_model, other, DynamicCache(config=tiny_model.config))
+    manager.close()
+
+
+def test_a_restore_writes_each_block_over_all_layers_at_once(tmp_path, tiny_model, monkeypatch):
+    """The layers' buffers are views of one allocation, so a restored block is one copy per copy thread
+    (not one per layer and K/V), and what lands is the stored KV."""
+    from kvtier.transfer.copies import CopyGroup
+
+    manager = _manager(tmp_path, tiny_model)
+    ids = _prompt(4 * BLOCK + 3)
+    first = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    _greedy(tiny_model, ids, first, n=1)
+    first.store(ids[0])
+    groups = []
+    monkeypatch.setattr("kvtier.hf.copy_threads", lambda: 2)
+    monkeypatch.setattr("kvtier.hf.CopyGroup", lambda threads: groups.append(CopyGroup(threads)) or groups[-1])
+    cache = TieredCache.for_model(tiny_model, manager, block_tokens=BLOCK)
+    assert cache.load_prefix(ids) == 4 * BLOCK
+    assert groups[0].num_copies == 4 * 2  # 4 blocks, 2 threads
+    bases = {layer.buffers()[i]._base.data_ptr() for layer in cache.layers for i in (0, 1)}
+    assert len(bases) == 1
+    for layer, want in zip(cache.layers, first.layers):
+        assert torch.equal(layer.keys, want.keys[..., :4 * BLOCK, :])
+        assert torch.equal(layer.values, want.values[..., :4 * BLOCK, :])
     manager.close()
 
 

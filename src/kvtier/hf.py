@@ -66,17 +66,18 @@ class PrefixStats:
 
 
 class _BlockCopier:
-    """Writes decoded blocks [L, 2, H, T, D] into per-layer K/V buffers [1, H, capacity, D] at a
-    token offset. On the CPU, plain memcpys over numpy byte views made once, handed to a `CopyGroup`
-    (a restore before the forward runs alone: its copies use the cores torch may use; torch's own
-    multi-threaded copy of many mid-sized slices collapses, 10-100x, when the cores are shared with
-    other work); devices and dtype changes go through `copy_`."""
+    """Writes decoded blocks [L, 2, H, T, D] at a token offset into the layers' joined K/V buffers
+    [L, 2, 1, H, capacity, D] (`TieredCache._join_buffers`: every layer's buffers are views of one
+    allocation), so a block is one strided copy over all its layers. On the CPU, numpy memcpys over a
+    byte view made once, cut into one copy per thread of a `CopyGroup` (a restore before the forward runs
+    alone: its copies use the cores torch may use; torch's own multi-threaded copy of many mid-sized
+    slices collapses, 10-100x, when the cores are shared with other work); devices and dtype changes go
+    through `copy_`."""
 
-    def __init__(self, buffers: list[tuple[torch.Tensor, torch.Tensor]], group: CopyGroup | None = None) -> None:
-        self.buffers = buffers
+    def __init__(self, joined: torch.Tensor, group: CopyGroup | None = None) -> None:
+        self.joined = joined
         self.group = group or CopyGroup(1)
-        self.np_views = [tuple(byte_array(buf[0]) for buf in pair) for pair in buffers] \
-            if all(buf.device.type == "cpu" for pair in buffers for buf in pair) else None
+        self.np_view = byte_array(joined) if joined.device.type == "cpu" else None
 
     def at(self, block_tokens: int) -> "_TokenOffsets":
         """The mover's sink: block i of the prefix goes to tokens [i * block_tokens, ...)."""
@@ -84,15 +85,11 @@ class _BlockCopier:
 
     def __call__(self, block: torch.Tensor, start: int) -> None:
         end = start + block.shape[3]
-        if self.np_views is not None and block.device.type == "cpu" and block.dtype == self.buffers[0][0].dtype:
-            src = byte_array(block)
-            for layer_idx, (k_np, v_np) in enumerate(self.np_views):
-                self.group.add(k_np[:, start:end], src[layer_idx, 0])
-                self.group.add(v_np[:, start:end], src[layer_idx, 1])
+        if self.np_view is not None and block.device.type == "cpu" and block.dtype == self.joined.dtype \
+                and block.is_contiguous():
+            self.group.add_split(self.np_view[:, :, 0, :, start:end], byte_array(block))
             return
-        for layer_idx, (k_buf, v_buf) in enumerate(self.buffers):
-            k_buf[0, :, start:end].copy_(block[layer_idx, 0], non_blocking=True)
-            v_buf[0, :, start:end].copy_(block[layer_idx, 1], non_blocking=True)
+        self.joined[:, :, 0, :, start:end].copy_(block, non_blocking=True)
 
 
 @dataclass(slots=True)
@@ -135,6 +132,13 @@ class TieredLayer(DynamicLayer):
             v_buf[..., :n, :].copy_(self.values)
         self._k_buf, self._v_buf = k_buf, v_buf
         self.keys, self.values = k_buf[..., :n, :], v_buf[..., :n, :]
+
+    def use_buffers(self, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """Take `k_buf` / `v_buf` [B, H, capacity, D] as this empty layer's buffers (views of the cache's
+        joined allocation: `TieredCache._join_buffers`)."""
+        assert not self.get_seq_length(), "an empty layer takes new buffers"
+        self._k_buf, self._v_buf = k_buf, v_buf
+        self.keys, self.values = k_buf[..., :0, :], v_buf[..., :0, :]
 
     def reset(self) -> None:
         """Empty, keeping the buffers (already paged in: the next request's restore writes warm memory)."""
@@ -338,11 +342,10 @@ class TieredCache(Cache):
         h, d = self.layout.num_kv_heads, self.layout.head_dim
         like = torch.empty((1, h, len(match) * self.layout.block_tokens, d), dtype=self.layout_dtype, device="meta")
         self._initialize_layers()
-        for layer in self.layers:
-            layer.reserve(like, capacity_tokens)
+        joined = self._join_buffers(like, capacity_tokens)
         threads = copy_threads() if self._compute_device().type == "cpu" else 1
         with CopyGroup(threads) as group:
-            copy = _BlockCopier([layer.buffers() for layer in self.layers], group)
+            copy = _BlockCopier(joined, group)
             tiers = self.mover.restore(match, copy.at(self.layout.block_tokens), copies=group).tiers  # DRAM: its slots
         for layer in self.layers:
             layer.set_length(len(tiers) * self.layout.block_tokens)
@@ -358,6 +361,25 @@ class TieredCache(Cache):
         for layer in self.layers:
             layer.restored(len(tiers))
         return tiers
+
+    def _join_buffers(self, like: torch.Tensor, capacity_tokens: int) -> torch.Tensor:
+        """Every layer's K and V buffers as views of one allocation [L, 2, 1, H, capacity, D] (the one the
+        layers view already when it is large enough: `reset` keeps it paged in), so a restored block goes
+        in with a few copies over all its layers, not one per layer and K/V. A layer that outgrows it later
+        reallocates its own (`TieredLayer.update`), and the next restore joins them again."""
+        layers = self.layers
+        k0 = layers[0].buffers()[0]
+        joined = k0._base if k0 is not None else None
+        if joined is None or joined.dim() != 6 or joined.shape[4] < capacity_tokens or joined.dtype != like.dtype \
+                or joined.device != layers[0].device or any(
+                    layer.buffers()[i] is None or layer.buffers()[i].data_ptr() != joined[n, i].data_ptr()
+                    for n, layer in enumerate(layers) for i in (0, 1)):
+            b, h, _, d = like.shape
+            joined = torch.empty((len(layers), 2, b, h, max(capacity_tokens, _MIN_CAPACITY_TOKENS), d),
+                                 dtype=like.dtype, device=layers[0].device)
+        for n, layer in enumerate(layers):
+            layer.use_buffers(joined[n, 0], joined[n, 1])
+        return joined
 
     def _initialize_layers(self) -> None:
         empty = torch.empty((1, self.layout.num_kv_heads, 0, self.layout.head_dim), dtype=self.layout_dtype,

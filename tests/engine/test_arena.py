@@ -168,6 +168,19 @@ def test_a_planned_step_gathers_what_each_sequence_alone_would(codec):
         assert torch.equal(gk, alone[name][0]) and torch.equal(gv, alone[name][1])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_raw_block_is_written_over_all_its_layers_in_one_copy_per_thread(threads):
+    from kvtier.transfer.copies import CopyGroup
+
+    arena = make_arena(LAYOUT, 8 * LAYOUT.block_bytes, "raw", max_open_blocks=1)
+    block = torch.randn(LAYOUT.block_shape, generator=torch.Generator().manual_seed(threads))
+    with CopyGroup(threads) as copies:
+        arena.write_block(5, block, copies)
+    assert copies.num_copies == (0 if threads == 1 else 2 * min(threads, LAYOUT.num_layers))  # 1: copied now
+    assert torch.equal(arena.block_tensor(5), block)
+    assert not arena.block_tensor(4).any() and not arena.block_tensor(6).any()
+
+
 @pytest.mark.parametrize("codec", ["fp8", "int8", "int4"])
 def test_tier_blocks_round_trip_through_the_quantizer(codec):
     arena = make_arena(LAYOUT, 8 * LAYOUT.block_bytes, codec, max_open_blocks=1)

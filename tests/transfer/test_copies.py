@@ -32,6 +32,18 @@ def test_every_copy_lands_in_its_strided_view(threads):
     assert _copies_running(group) == 0
 
 
+@pytest.mark.parametrize("threads, rows, copies", [(1, 30, 1), (2, 30, 2), (3, 30, 3), (4, 3, 3), (2, 7, 2)])
+def test_a_split_copy_is_one_strided_copy_per_thread_over_the_first_axis(threads, rows, copies):
+    rng = np.random.default_rng(rows)
+    src = rng.integers(0, 255, (rows, 2, 3, 16, 8), dtype=np.uint8)  # a block [L, 2, H, T, D]
+    dst = np.zeros((rows, 2, 3, 64, 8), dtype=np.uint8)              # joined layers [L, 2, H, capacity, D]
+    with CopyGroup(threads) as group:
+        group.add_split(dst[:, :, :, 16:32], src)
+    assert group.num_copies == copies
+    assert np.array_equal(dst[:, :, :, 16:32], src)
+    assert not dst[:, :, :, :16].any() and not dst[:, :, :, 32:].any()
+
+
 def test_one_thread_copies_on_the_callers_thread_at_once():
     src, dst = np.arange(10, dtype=np.uint8), np.zeros(10, dtype=np.uint8)
     group = CopyGroup(1)

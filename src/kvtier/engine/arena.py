@@ -164,18 +164,18 @@ class RawArena:
         return torch.stack([self.k_cache[:, block_id], self.v_cache[:, block_id]], dim=1).cpu()
 
     def write_block(self, block_id: int, kv: torch.Tensor, copies: CopyGroup | None = None) -> None:
-        """One decoded block [L, 2, H, T, D] into its slots. On the CPU plain numpy memcpys, one per layer
-        and K/V, handed to `copies` (the transfer worker's group: one thread beside a forward, whose
-        intra-op threads use every core, more when none runs; None: copied now)."""
+        """One decoded block [L, 2, H, T, D] into its slots. On the CPU plain numpy memcpys over all its
+        layers, K and V each cut into one copy per thread of `copies` (the transfer worker's group: one
+        thread beside a forward, whose intra-op threads use every core, more when none runs; None: copied
+        now)."""
         if self.device.type == kv.device.type == "cpu" and kv.dtype == self.dtype and kv.is_contiguous():
             src = byte_array(kv)
             if copies is None or copies.threads == 1:
                 self._k_bytes[:, block_id] = src[:, 0]
                 self._v_bytes[:, block_id] = src[:, 1]
                 return
-            for layer in range(self.layout.num_layers):
-                copies.add(self._k_bytes[layer, block_id], src[layer, 0])
-                copies.add(self._v_bytes[layer, block_id], src[layer, 1])
+            copies.add_split(self._k_bytes[:, block_id], src[:, 0])  # a few copies over the layers
+            copies.add_split(self._v_bytes[:, block_id], src[:, 1])
             return
         kv = kv.to(device=self.device, dtype=self.dtype)
         self.k_cache[:, block_id] = kv[:, 0]
