@@ -65,6 +65,34 @@ def test_a_shared_memory_tier_is_the_disk_tier_named_shm(tmp_path):
         ConnectorConfig.from_extra_config({"tiers": ["ssd:/x:1GiB"], "tier": []})
 
 
+@pytest.mark.parametrize("held", [3, 1, 0])
+def test_device_cached_blocks_the_tiers_hold_are_not_saved_again(manager, held):
+    """A new request whose first 3 blocks vLLM's device cache serves: those of them the tiers hold (a run
+    from the first) are not copied out again, only refreshed with the chain (`held_keys`)."""
+    tokens = list(range(100, 122))  # 22 tokens: 5 full blocks
+    keys = block_keys(SPACE, tokens)
+    manager.put_many([(key, b"block") for key in keys[:held]])
+    side = SchedulerSide(SPACE, manager)
+    req = request("r1", tokens, num_computed_tokens=3 * T)
+    assert side.num_matched_tokens(req, 3 * T) == 0  # nothing beyond the device's blocks
+    side.after_alloc(req, [10, 11, 12, 13, 14, 15], 0)
+    records = side.build_records({"r1": 22 - 3 * T}, lambda req_id: [10, 11, 12, 13, 14, 15])
+    assert records.saves == [SaveSpec("r1", keys[held:5], [10, 11, 12, 13, 14][held:], keys[:held])]
+
+
+def test_a_later_save_carries_the_chain_before_it(manager):
+    tokens = list(range(100, 122))
+    keys = block_keys(SPACE, tokens)
+    side = SchedulerSide(SPACE, manager)
+    req = request("r1", tokens[:9])
+    assert side.num_matched_tokens(req, 0) == 0
+    side.after_alloc(req, [10, 11, 12], 0)
+    assert side.build_records({"r1": 9}, lambda req_id: [10, 11, 12]).saves == [SaveSpec("r1", keys[:2], [10, 11], [])]
+    req.all_token_ids, req.num_computed_tokens = tokens, 9
+    assert side.build_records({"r1": 13}, lambda req_id: [10, 11, 12, 13, 14, 15]).saves == [
+        SaveSpec("r1", keys[2:5], [12, 13, 14], keys[:2])]
+
+
 def test_matched_blocks_are_loaded_and_the_rest_saved(manager):
     tokens = list(range(100, 122))  # 22 tokens: 5 full blocks
     keys = block_keys(SPACE, tokens)
@@ -77,7 +105,7 @@ def test_matched_blocks_are_loaded_and_the_rest_saved(manager):
     req.num_computed_tokens = 3 * T  # as vLLM sets it once the load is in
     records = side.build_records({"r1": 22 - 3 * T}, lambda req_id: [10, 11, 12, 13, 14, 15])
     assert records.loads == [LoadSpec("r1", keys[:3], [10, 11, 12], ["ssd"] * 3)]
-    assert records.saves == [SaveSpec("r1", keys[3:5], [13, 14])]  # the loaded blocks are not written again
+    assert records.saves == [SaveSpec("r1", keys[3:5], [13, 14], keys[:3])]  # the loaded ones: refreshed, not written
     assert side.build_records({}, None).loads == []  # records are handed over once
 
 
@@ -107,7 +135,7 @@ def test_a_failed_load_is_recomputed_and_saved_again(manager):
     assert side.hit_tokens_by_tier("r1") == {"ssd": 2 * T}
     req.num_computed_tokens = 2 * T
     records = side.build_records({"r1": 30 - 2 * T}, lambda req_id: list(range(20, 28)))
-    assert records.saves == [SaveSpec("r1", keys[2:7], [22, 23, 24, 25, 26])]
+    assert records.saves == [SaveSpec("r1", keys[2:7], [22, 23, 24, 25, 26], keys[:2])]
 
 
 def test_another_salt_finds_nothing(manager):

@@ -82,9 +82,12 @@ class SchedulerSide:
         req_id = request.request_id
         self._plans.pop(req_id, None)
         self._release(req_id)  # a later lookup replaces the earlier one's pins
+        tracker = self._tracker(request)
+        if first > tracker.num_saved_blocks and not tracker.device_prefix_checked:
+            self._skip_held_device_prefix(tracker, tracker.keys_for(tokens, first))
         if num_blocks <= first:
             return 0
-        keys = self._tracker(request).keys_for(tokens, num_blocks)[first:]
+        keys = tracker.keys_for(tokens, num_blocks)[first:]
         try:
             tiers = self._match(keys)
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
@@ -97,6 +100,18 @@ class SchedulerSide:
         else:
             self._unpin(req_id)
         return len(tiers) * self.block_tokens
+
+    def _skip_held_device_prefix(self, tracker: RequestTracker, keys: list[bytes]) -> None:
+        """A new request's first blocks are vLLM's device hits (`keys`): those the tiers hold already (a
+        run from the first) are not copied out and written again — each step a save costs the forward
+        its copy — only refreshed with the chain (`SaveSpec.held_keys`). Asked once per request."""
+        tracker.device_prefix_checked = True
+        try:
+            held = len(self._match(keys))
+        except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then saved again, as before
+            log.exception("kvtier: looking up a device-cached prefix failed")
+            return
+        tracker.num_saved_blocks = max(tracker.num_saved_blocks, held)
 
     def _match(self, keys: list[bytes]) -> list[str]:
         """The tiers of the longest run of blocks every rank holds (rank 0's tier for each)."""
@@ -244,7 +259,8 @@ class SchedulerSide:
             chains.append(tracker.keys_for(tokens, num_full))
             keys = chains[-1][tracker.num_saved_blocks:]
             ids = block_ids_of(req_id)[tracker.num_saved_blocks:num_full]
-            self._records.saves.append(SaveSpec(req_id, keys, ids))
+            # held_keys: the chain this save extends, refreshed with it in the worker's DRAM
+            self._records.saves.append(SaveSpec(req_id, keys, ids, chains[-1][:tracker.num_saved_blocks]))
             if self.on_blocks is not None:
                 self.on_blocks(request, tracker.num_saved_blocks, keys, None)
             tracker.num_saved_blocks = num_full

@@ -86,6 +86,7 @@ class RequestTracker:
         self.space = space
         self.chain = KeyChain(space)       # the request's keys, grown with its tokens
         self.num_saved_blocks = 0          # blocks [0, num_saved_blocks) are in the tiers or queued
+        self.device_prefix_checked = False  # its device-cached first blocks looked up in the tiers once
         self.load: LoadPlan | None = None  # the plan admitted with its loaded block ids, until finished
         self.load_block_ids: list[int] = []
 
