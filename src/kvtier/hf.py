@@ -335,9 +335,10 @@ class TieredCache(Cache):
         return num_cached
 
     def _fill(self, match, capacity_tokens: int) -> list[str]:
-        """Stream the matched blocks ([L, 2, H, T, D] each) straight into the layers' buffers: each
-        block is verified, then its copies (one per layer, K and V) go to the copy threads while the
-        next block is read and verified; no concatenation. Returns the tier each restored block came
+        """Stream the matched blocks ([L, 2, H, T, D] each) straight into the layers' buffers (views of
+        one allocation, `_join_buffers`): each block is verified, then its copies (one per copy thread over
+        all its layers, `CopyGroup.add_split`) go to the copy threads while the next block is read and
+        verified; no concatenation. Returns the tier each restored block came
         from (fewer than matched: the prefix ended at a bad block, or the copies failed)."""
         h, d = self.layout.num_kv_heads, self.layout.head_dim
         like = torch.empty((1, h, len(match) * self.layout.block_tokens, d), dtype=self.layout_dtype, device="meta")

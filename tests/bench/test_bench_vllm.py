@@ -138,3 +138,10 @@ def test_a_system_named_twice_runs_twice_under_its_own_label():
 
     assert run_labels(("vllm", "vllm-kvtier-dram", "vllm", "vllm-kvtier-dram", "vllm")) == [
         "vllm", "vllm-kvtier-dram", "vllm (2)", "vllm-kvtier-dram (2)", "vllm (3)"]
+
+
+def test_the_decode_workload_needs_a_round_beyond_the_warm_up(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "vllm", "--workload", "decode", "--systems", "vllm", "--turns", "1"])
+    assert exc.value.code == 2
+    assert "at least 2" in capsys.readouterr().err

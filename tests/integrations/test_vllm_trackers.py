@@ -157,3 +157,10 @@ def test_the_worker_reports_where_blocks_really_came_from(manager):
     assert side.hit_tokens_by_tier("r1") == {"dram": T, "ssd": T}
     side.finished("r1")
     assert side.hit_tokens_by_tier("r1") == {}
+
+
+def test_a_save_trimmed_to_what_the_directories_took_keeps_the_chain_it_extends():
+    from kvtier.integrations.vllm.scheduler import _keep
+
+    spec = SaveSpec("r1", [b"k1", b"k2", b"k3"], [1, 2, 3], [b"h0"])
+    assert _keep(spec, [True, False, True]) == SaveSpec("r1", [b"k1", b"k3"], [1, 3], [b"h0"])

@@ -4,6 +4,7 @@ returns a block other than the one its key names."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import multiprocessing
 import os
@@ -371,3 +372,28 @@ def test_processes_hammering_one_directory_lose_no_pinned_block_and_serve_no_wro
     # the race was run: pinned loads read under eviction pressure and start-ups in between
     assert counts["pinned_read"] > 100 and counts["evictions"] > 100 and counts["startups"] > 0, counts
     assert not list(shared_dir.glob("*/*.tmp"))  # every write reached its name or removed its own file
+
+
+@pytest.mark.parametrize("error", [errno.ENOLCK, errno.EINVAL])
+def test_a_file_system_that_refuses_byte_range_locks_degrades_to_in_process_pins(tmp_path, monkeypatch, error):
+    """NFS without lockd, a file system without OFD locks: a lock call fails with another error than a held
+    byte. Pins then hold in this index only (a hit stays a hit), evictions delete without a lock, and no
+    victim stays in flux (a stuck key would be neither held nor adoptable, its file never counted)."""
+    tier = DiskTier(tmp_path, 2 * BLOCK_BYTES)
+    put(tier, KEYS[0], KEYS[1])
+
+    def refuse(*args):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(disk._BlockLocks, "_lock", staticmethod(refuse))
+    assert tier.pin_many([KEYS[0]]) == [True]  # in this index
+    put(tier, KEYS[2], KEYS[3])  # evicts K1 (K0 pinned here) and then what the room needs
+    assert tier.contains_many([KEYS[0]]) == [True] and tier.get_many([KEYS[0]]) == [payload(KEYS[0])]
+    assert not tier._in_flux
+    tier.unpin([KEYS[0]])
+    put(tier, KEYS[4], KEYS[5], KEYS[6])
+    assert not tier._in_flux and tier.leftover_bytes() == 0
+    on_disk = {p.name.removesuffix(".kvb") for p in tmp_path.rglob("*.kvb")}
+    held = [key for key in KEYS if tier.contains_many([key]) == [True]]
+    assert len(held) == 2 and on_disk == {key.hex() for key in held}  # exactly what the index holds
+    tier.close()

@@ -115,17 +115,17 @@ def decode_device_tokens(rounds: list[list[list[int]]], max_tokens: int, block_t
     return max(sum(-(-(len(ids) + max_tokens) // block_tokens) for ids in r) for r in rounds) * block_tokens
 
 
-def _run_decode(url: str, rounds: list[list[list[int]]], max_tokens: int, name: str) -> SystemResult:
-    """The rounds one after another, each round's requests at once; round 0 (the warm-up) is not kept."""
+def _run_decode(url: str, rounds: list[list[list[int]]], max_tokens: int, name: str,
+                first_round: int = 0) -> SystemResult:
+    """The rounds one after another (numbered from `first_round`), each round's requests at once."""
     import httpx
 
     result = SystemResult(name=name, wall_s=0.0)
 
     async def main() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=1200) as client:
-            for r, prompts in enumerate(rounds):
-                into = result if r else SystemResult(name=name, wall_s=0.0)
-                await asyncio.gather(*(_stream(client, into, (r, i), ids, max_tokens)
+            for r, prompts in enumerate(rounds, first_round):
+                await asyncio.gather(*(_stream(client, result, (r, i), ids, max_tokens)
                                        for i, ids in enumerate(prompts)))
 
     start = time.perf_counter()
@@ -231,8 +231,6 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
     elif name == "vllm-kvtier-disagg":
         shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, shm, ignore_errors=True)
-        if env:
-            raise ValueError("vllm-kvtier-disagg takes no --workload decode (two engines: no one layout to compare)")
         return stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
                                                 extra_args=("--num-gpu-blocks-override", str(num_blocks)),
                                                 max_model_len=(num_blocks - 1) * 32))
@@ -291,8 +289,6 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
         with ExitStack() as stack:
             tmp = tempfile.mkdtemp(prefix=f"{name}-", dir=log_dir) if log_dir else \
                 stack.enter_context(tempfile.TemporaryDirectory())
-            if name == "kvtier-serve" and decode:
-                raise ValueError("kvtier-serve takes no --workload decode: it is another engine, not a connector")
             if name == "kvtier-serve":
                 budget = device_kv_tokens * loaded.kv_layout().bytes_per_token
                 args = dict(name=name, budget_bytes=budget, block_tokens=BLOCK_TOKENS,
@@ -302,11 +298,13 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                 results[label].name = label
                 continue
             server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env)
+            if decode:  # the warm-up round: in neither the figures nor the /metrics deltas
+                _run_decode(server.url, rounds[:1], w.max_tokens, label)
             producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
             producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
             results[label] = (_run_trace(server.url, reqs, label) if trace
-                              else _run_decode(server.url, rounds, w.max_tokens, label) if decode
+                              else _run_decode(server.url, rounds[1:], w.max_tokens, label, first_round=1) if decode
                               else _run_chat(server.url, loaded.tokenizer, convs, w, label))
             after = server.metrics()
             results[label].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
@@ -434,6 +432,8 @@ def add_command(bench) -> None:
         if workload == "decode" and {"kvtier-serve", "vllm-kvtier-disagg"} & set(names):
             raise UserError("--workload decode compares vLLM with and without a connector: not kvtier-serve or "
                             "vllm-kvtier-disagg")
+        if workload == "decode" and turns < 2:
+            raise UserError("--workload decode: --turns is the number of rounds, the first a warm-up: at least 2")
         rows = run(Workload(users, turns, context_chars, turn_chars, max_tokens), systems=names,
                    device_kv_tokens=device_kv_tokens, trace=workload == "mooncake", trace_requests_=trace_requests_,
                    trace_start=trace_start, time_scale=time_scale, log_dir=log_dir, load=load,

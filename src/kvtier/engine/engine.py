@@ -533,7 +533,9 @@ def _extended_chains(out: SchedulerOutput, newly_full: list[tuple[bytes, int]]) 
         return []
     new = {key for key, _ in newly_full}
     seqs = {chunk.seq.request_id: chunk.seq for chunk in out.chunks}
-    return [keys for keys in (seq.block_keys for seq in seqs.values()) if keys and keys[-1] in new]
+    return [seq.block_keys for seq in seqs.values()  # the copy of a chain only where its last block is new
+            if seq.key_chain is not None and seq.num_keyed_blocks
+            and seq.key_chain.keys[seq.num_keyed_blocks - 1] in new]
 
 
 def _eos_token_ids(model) -> tuple[int, ...]:

@@ -139,6 +139,15 @@ class _BlockLocks:
         self._writable = [False] * LOCK_FILES
         self._pins: dict[tuple[int, int], int] = {}  # (lock file, byte) -> this index's pins on it
         self._closed = False
+        self._unlockable = False  # a lock call failed for another reason than a held byte: no lock files now
+
+    def _give_up(self, exc: OSError) -> None:
+        """The file system refused a byte-range lock (ENOLCK: NFS without lockd; EINVAL / ENOSYS: no OFD
+        locks): from now on as with no lock file — pins hold in this index only, evictions take no lock —
+        rather than every hit a miss and every eviction a stuck block. Logged once."""
+        if not self._unlockable:
+            self._unlockable = True
+            log.warning("kvtier: %s refuses byte-range locks (%s): pins hold in this process only", self._dir, exc)
 
     @classmethod
     def _where(cls, key: bytes) -> tuple[int, int]:
@@ -147,7 +156,7 @@ class _BlockLocks:
 
     def _fd(self, n: int) -> int | None:
         """This index's open of lock file `n` (under its mutex), opened at first use."""
-        if self._fds[n] is None and not self._closed:
+        if self._fds[n] is None and not self._closed and not self._unlockable:
             path = self._dir / f"{n:02x}"
             try:
                 self._fds[n], self._writable[n] = os.open(path, os.O_RDWR | os.O_CREAT, 0o666), True
@@ -156,7 +165,7 @@ class _BlockLocks:
                     self._fds[n] = os.open(path, os.O_RDONLY)
                 except OSError:
                     pass
-        return self._fds[n]
+        return None if self._unlockable else self._fds[n]
 
     @staticmethod
     def _lock(fd: int, cmd: int, kind: int, byte: int) -> int:
@@ -171,19 +180,24 @@ class _BlockLocks:
             if not self._pins.get(where) and (fd := self._fd(n)) is not None:
                 try:
                     self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, byte)
-                except OSError:
-                    return False  # EAGAIN: being evicted right now
+                except OSError as exc:
+                    if exc.errno in (errno.EAGAIN, errno.EACCES):
+                        return False  # being evicted right now
+                    self._give_up(exc)
             self._pins[where] = self._pins.get(where, 0) + 1
         return True
 
     def unpin(self, key: bytes) -> None:
         where = n, byte = self._where(key)
         with self._mutexes[n]:
-            left = self._pins.pop(where) - 1
-            if left:
+            left = self._pins.pop(where, 0) - 1  # none: `close` dropped them meanwhile
+            if left > 0:
                 self._pins[where] = left
-            elif self._fds[n] is not None:
-                self._lock(self._fds[n], fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
+            elif left == 0 and (fd := self._fd(n)) is not None:
+                try:
+                    self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
+                except OSError as exc:
+                    self._give_up(exc)
 
     def evict(self, key: bytes, remove) -> bool:
         """`remove()` under `key`'s exclusive lock; False (not called) while any index pins it."""
@@ -197,8 +211,12 @@ class _BlockLocks:
                 return True
             try:
                 self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, byte)
-            except BlockingIOError:
-                return False
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES):
+                    return False  # pinned by another index
+                self._give_up(exc)
+                remove()
+                return True
             try:
                 remove()
             finally:
@@ -445,16 +463,18 @@ class DiskTier:
             return
         victims = victims + self._take_leftovers()
         removed = []
-        for key, size in victims:
-            if self._remove_unpinned(key):
-                removed.append(key)
-            else:
-                with self._index_lock:
-                    self._leftovers[key] = size
-        self.stats.evictions += len(removed)
-        announce_removed(self, removed)
-        with self._index_lock:
-            self._in_flux.difference_update(key for key, _ in victims)
+        try:
+            for key, size in victims:
+                if self._remove_unpinned(key):
+                    removed.append(key)
+                else:
+                    with self._index_lock:
+                        self._leftovers[key] = size
+        finally:  # an unexpected error leaves no key in flux for good (neither held nor adoptable)
+            self.stats.evictions += len(removed)
+            announce_removed(self, removed)
+            with self._index_lock:
+                self._in_flux.difference_update(key for key, _ in victims)
 
     def _take_leftovers(self) -> list[tuple[bytes, int]]:
         """The leftovers to try again now (in flux meanwhile, as victims are)."""
@@ -874,6 +894,9 @@ class DiskStore(DiskTier):
 
     def _open(self) -> None:
         pass  # the owner scans and cleans up
+
+    def touch_many(self, keys: list[bytes]) -> None:
+        """Nothing to refresh: no index here (the owner's LRU orders the directory)."""
 
     def _holds(self, key: bytes) -> bool:
         with self._index_lock:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvtier.blocks import KeySpace
 from kvtier.integrations.vllm.trackers import (LoadPlan, LoadSpec, RequestTracker, SaveSpec, StepRecords,
@@ -290,6 +291,6 @@ class SchedulerSide:
 
 
 def _keep(spec: SaveSpec, flags: list[bool]) -> SaveSpec:
-    """`spec` with only the blocks `flags` keeps."""
-    return SaveSpec(spec.req_id, [k for k, f in zip(spec.keys, flags) if f],
-                    [b for b, f in zip(spec.block_ids, flags) if f])
+    """`spec` with only the blocks `flags` keeps (the chain it extends, `held_keys`, kept as it is)."""
+    return replace(spec, keys=[k for k, f in zip(spec.keys, flags) if f],
+                   block_ids=[b for b, f in zip(spec.block_ids, flags) if f])
