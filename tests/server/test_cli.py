@@ -141,9 +141,11 @@ def test_cli_bad_config_exits_2(tmp_path, capsys):
     assert "unknown serve setting" in capsys.readouterr().err
 
 
-def _became_healthy(url: str, proc: subprocess.Popen, attempts: int = 600) -> bool:
-    """Poll /health (bounded: imports + model load); a server process that exits fails at once."""
-    for _ in range(attempts):
+def _became_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> bool:
+    """Poll /health (bounded: imports + model load, which took over 30 s on 2 busy cores); a server process
+    that exits fails at once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(url + "/health", timeout=1).status_code == 200:
