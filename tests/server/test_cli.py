@@ -185,7 +185,12 @@ def test_serve_process_answers(tmp_path):
         assert tiers == ["dram", "ssd"]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # never left running (a SIGINT during its start is not a shutdown)
+            proc.kill()
+            proc.wait()
+            raise
     # shutdown flushed the device's cached blocks (43 tokens of KV: 2 full blocks of 16) down to the SSD
     assert len(list((tmp_path / "ssd").rglob("*.kvb"))) == 2
     held: dict[str, set[int]] = {}
