@@ -50,6 +50,7 @@ eviction and ships its deletes in the step's metadata).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -173,17 +174,24 @@ class _BlockLocks:
         got = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, byte, 1, 0))
         return struct.unpack(_FLOCK, got)[0]
 
+    def _take(self, fd: int, kind: int, byte: int) -> bool:
+        """Lock one byte, non-blocking: False while another open holds it; True when taken, or when the file
+        system refuses byte-range locks (`_give_up`: none from then on)."""
+        try:
+            self._lock(fd, fcntl.F_OFD_SETLK, kind, byte)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            self._give_up(exc)
+        return True
+
     def pin(self, key: bytes) -> bool:
         """Hold `key` shared; False while an eviction (any index's) holds it."""
         where = n, byte = self._where(key)
         with self._mutexes[n]:
-            if not self._pins.get(where) and (fd := self._fd(n)) is not None:
-                try:
-                    self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, byte)
-                except OSError as exc:
-                    if exc.errno in (errno.EAGAIN, errno.EACCES):
-                        return False  # being evicted right now
-                    self._give_up(exc)
+            if not self._pins.get(where) and (fd := self._fd(n)) is not None \
+                    and not self._take(fd, fcntl.F_RDLCK, byte):
+                return False  # being evicted right now
             self._pins[where] = self._pins.get(where, 0) + 1
         return True
 
@@ -209,18 +217,13 @@ class _BlockLocks:
             if fd is None or not self._writable[n]:
                 remove()
                 return True
-            try:
-                self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, byte)
-            except OSError as exc:
-                if exc.errno in (errno.EAGAIN, errno.EACCES):
-                    return False  # pinned by another index
-                self._give_up(exc)
-                remove()
-                return True
+            if not self._take(fd, fcntl.F_WRLCK, byte):
+                return False  # pinned by another index
             try:
                 remove()
             finally:
-                self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
+                with contextlib.suppress(OSError):  # refused locks (`_give_up`): nothing was taken
+                    self._lock(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, byte)
         return True
 
     def pinned_elsewhere(self, key: bytes) -> bool:
