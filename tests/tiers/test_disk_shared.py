@@ -68,6 +68,35 @@ def test_a_file_an_eviction_left_pinned_goes_at_a_later_pass(tmp_path):
     assert sorted(tmp_path.glob("*/*.kvb")) == sorted(writer._path(k) for k in (KEYS[4], KEYS[5]))
 
 
+def test_an_eviction_pass_tries_a_bounded_number_of_leftovers_oldest_first_and_close_tries_all(tmp_path, monkeypatch):
+    """A pass's cost does not grow with the leftovers: at most `LEFTOVERS_PER_PASS` are tried again, the
+    oldest first, one still pinned going back to the end; `close` tries every one."""
+    monkeypatch.setattr(disk, "LEFTOVERS_PER_PASS", 3)
+    keys = [i.to_bytes(16, "big") for i in range(300, 308)]
+    writer, loader = DiskTier(tmp_path, 1 * BLOCK_BYTES), DiskTier(tmp_path, 16 * BLOCK_BYTES)
+    for key in keys:  # each put evicts the one before, which the loader pinned: 7 leftovers
+        put(writer, key)
+        assert loader.pin_many([key]) == [True]
+    assert writer.leftover_bytes() == 7 * BLOCK_BYTES
+    order = list(writer._leftovers)  # oldest first
+    pinned = order[1]
+    loader.unpin([key for key in keys[:7] if key != pinned])
+    tried = []
+    remove_unpinned = writer._remove_unpinned
+    monkeypatch.setattr(writer, "_remove_unpinned", lambda key: tried.append(key) or remove_unpinned(key))
+    writer._evict([])
+    assert tried == order[:3]  # three, the oldest; one of them still pinned
+    assert writer.leftover_bytes() == 5 * BLOCK_BYTES and writer._path(pinned).exists()
+    tried.clear()
+    writer._evict([])
+    assert tried == order[3:6]  # the next three: the pinned one went to the end
+    loader.unpin([pinned])
+    tried.clear()
+    writer.close()
+    assert tried == [order[6], pinned] and writer.leftover_bytes() == 0
+    assert sorted(tmp_path.glob("*/*.kvb")) == [writer._path(keys[7])]
+
+
 def test_a_leftover_indexed_again_is_not_deleted(tmp_path):
     writer, loader = DiskTier(tmp_path, 2 * BLOCK_BYTES), DiskTier(tmp_path, 8 * BLOCK_BYTES)
     put(writer, KEYS[0])

@@ -36,9 +36,10 @@ is writing or has pinned for a load:
   descriptor per pin, so any number of pins hold in every process; every eviction takes the exclusive lock
   first (non-blocking), holds it across the unlink, and leaves a locked file where it is;
 - no file stays on disk that no index counts: a file an eviction left (pinned) is a leftover of the
-  evicting index (`leftover_bytes`), tried again at each later eviction pass and at `close`, until it goes
-  or an index takes it in again (a lookup's adoption, a write of the same key); an owner that hands its
-  deletes off (`hand_deletes_off`) looks again at what it handed off, and hands off again a file still there
+  evicting index (`leftover_bytes`), tried again at later eviction passes (`LEFTOVERS_PER_PASS` a pass, the
+  oldest first) and at `close`, until it goes or an index takes it in again (a lookup's adoption, a write
+  of the same key); an owner that hands its deletes off (`hand_deletes_off`) looks again at what it handed
+  off, and hands off again a file still there
   a while later (a delete refused for another process's pin, a write queued before the eviction that
   landed after the delete: `take_deletes`);
 - a lookup (`contains_many`) checks that an indexed file is still there: another process's eviction
@@ -54,6 +55,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -84,6 +86,7 @@ TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not
 SHIPPED_RECHECK_SECONDS = 1.0  # `take_deletes`: how often (and how late) a handed-off key's file is looked for
 SHIPPED_WATCH_SECONDS = 30.0  # ... for how long while it is gone (a write queued before its eviction)
 SHIPPED_CHECKS_PER_CALL = 64  # ... and how many at most per call (one step's bounded cost)
+LEFTOVERS_PER_PASS = 64  # leftovers tried again per eviction pass, oldest first (a pass's bounded cost)
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 
@@ -453,10 +456,11 @@ class DiskTier:
         self._leftovers.pop(key, None)  # counted again: not ours to delete later
         return victims
 
-    def _evict(self, victims: list[tuple[bytes, int]]) -> None:
+    def _evict(self, victims: list[tuple[bytes, int]], *, every_leftover: bool = False) -> None:
         """Delete the victims' files (or hand them to `take_deletes`). A file another process pinned stays,
-        out of our index, as a leftover: tried again at every later eviction pass (and at `close`) until it
-        goes or is indexed again, so no file stays on disk that no index counts."""
+        out of our index, as a leftover: tried again at later eviction passes, `LEFTOVERS_PER_PASS` of them a
+        pass, the oldest first (`every_leftover`: all, at `close`), until it goes or is indexed again, so no
+        file stays on disk that no index counts."""
         keys = [victim for victim, _ in victims]
         if self._deletes is not None:  # the process that deletes them announces them
             with self._index_lock:
@@ -464,7 +468,7 @@ class DiskTier:
                 self._in_flux.difference_update(keys)
             self.stats.evictions += len(keys)
             return
-        victims = victims + self._take_leftovers()
+        victims = victims + self._take_leftovers(None if every_leftover else LEFTOVERS_PER_PASS)
         removed = []
         try:
             for key, size in victims:
@@ -479,13 +483,14 @@ class DiskTier:
             with self._index_lock:
                 self._in_flux.difference_update(key for key, _ in victims)
 
-    def _take_leftovers(self) -> list[tuple[bytes, int]]:
-        """The leftovers to try again now (in flux meanwhile, as victims are)."""
+    def _take_leftovers(self, limit: int | None) -> list[tuple[bytes, int]]:
+        """At most `limit` leftovers (None: all) to try again now, the oldest first (one still pinned goes
+        back at the end), in flux meanwhile, as victims are."""
         with self._index_lock:
             if not self._leftovers:
                 return []
-            ready = [(key, size) for key, size in self._leftovers.items()
-                     if key not in self._lru and key not in self._in_flux]
+            ready = list(itertools.islice(((key, size) for key, size in self._leftovers.items()
+                                           if key not in self._lru and key not in self._in_flux), limit))
             for key, _ in ready:
                 del self._leftovers[key]
             self._in_flux.update(key for key, _ in ready)
@@ -878,7 +883,7 @@ class DiskTier:
             self._readers.join()  # its reads and stamps still out (the executor is the process's)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
         if self._deletes is None and self._leftovers:
-            self._evict([])  # a last try at the leftovers (a file still pinned stays: the next start-up indexes it)
+            self._evict([], every_leftover=True)  # a last try at every one (still pinned: the next start-up indexes it)
         with self._index_lock:
             self._pins.clear()
         self._locks.close()  # every pin's lock goes with it
