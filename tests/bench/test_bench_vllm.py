@@ -90,6 +90,18 @@ def test_a_disaggregated_pair_has_a_breakdown_row_for_each_engine():
         "| vllm-kvtier-disagg (producer) | 0.00 s | 0.50 s | 2.00 s | 1,800 | 0 | 0.25 s | 0.00 s | 0.00 s | 3.0 |"]
 
 
+def test_the_cpu_table_is_per_output_token_by_process_and_the_connector_s_own():
+    from kvtier.bench.vllm import render_cpu
+
+    used = {"VLLM::Worker/VLLM::Worker": 30.0, "VLLM::Worker/kvtier-load": 1.5, "VLLM::Worker/kvtier-writes": 0.5,
+            "VLLM::EngineCor/VLLM::EngineCor": 6.0, "python/python": 2.0}
+    rows = [{"system": "vllm-kvtier-dram", "tokens_per_s": 50.0, "wall_s": 8.0,
+             "breakdown": {"cpu_s": used, "kvtier_scheduler_seconds": 0.25}},
+            {"system": "kvtier-serve", "tokens_per_s": 50.0, "wall_s": 8.0, "breakdown": {}}]
+    assert render_cpu(rows).splitlines()[2:] == [  # 40 s of CPU over 400 tokens; kvtier-serve: not a vLLM server
+        "| vllm-kvtier-dram | 40.0 | 100.0 ms | VLLM::Worker 32.0, VLLM::EngineCor 6.0, python 2.0 | 2.00 s | 0.25 s |"]
+
+
 def test_decode_rounds_are_fresh_passages_that_share_no_first_block():
     from kvtier.bench.harness import Workload
     from kvtier.bench.vllm import decode_device_tokens, decode_rounds

@@ -131,6 +131,8 @@ def test_second_process_loads_the_prompt_from_ssd(second, stored, reference, pro
     assert reply["text"] == reference["shared"]["text"]
     assert second.metric("vllm:prompt_tokens_cached_by_source_total", source="disk") >= expected
     assert second.metric("kvtier:hit_tokens_total", tier="ssd") >= expected
+    assert second.metric("kvtier:load_seconds_total") > 0  # the worker's load, timed
+    assert second.metric("kvtier:scheduler_seconds_total") > 0  # and the scheduler side's lookup
     # the device prefix cache first: asked again, nothing comes from the tiers
     again = second.complete(prompts["shared"])
     assert again["kvtier_hit_tokens"] == {} and again["text"] == reference["shared"]["text"]

@@ -44,6 +44,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from kvtier.bench import cpu
 from kvtier.bench.harness import SystemResult, TurnClock, Workload, chat_prompt, conversations, trace_requests
 
 SYSTEMS = ("vllm", "vllm-kvtier-dram", "vllm-kvtier-ssd", "vllm-kvtier-pool", "vllm-kvtier-disagg", "vllm-example",
@@ -188,7 +189,7 @@ def _breakdown(before: dict, after: dict) -> dict[str, float]:
            for phase in ("queue", "prefill", "decode")}
     out["computed_prompt_tokens"] = delta("vllm:request_prefill_kv_computed_tokens_sum")
     out["preemptions"] = delta("vllm:num_preemptions_total")
-    for name in ("load_seconds", "save_copy_seconds", "save_write_seconds"):
+    for name in ("load_seconds", "save_copy_seconds", "save_write_seconds", "scheduler_seconds"):
         out[f"kvtier_{name}"] = delta(f"kvtier:{name}_total")
     return out
 
@@ -209,7 +210,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, sessions: list[int] | None = None):
+    """The system's server(s), started; `sessions` gets the process session of each process tree it
+    started (vLLM's, a disaggregated pair's two, LMCache's cache server), for `bench.cpu`."""
     from kvtier.bench.pools import MooncakePool
     from kvtier.bench.servers import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
                                       kvtier_transfer_config)
@@ -231,22 +234,31 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
     elif name == "vllm-kvtier-disagg":
         shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, shm, ignore_errors=True)
-        return stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
+        pair = stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
                                                 extra_args=("--num-gpu-blocks-override", str(num_blocks)),
                                                 max_model_len=(num_blocks - 1) * 32))
+        if sessions is not None:
+            sessions += [pair.producer.proc.pid, pair.consumer.proc.pid]
+        return pair
     elif name == "vllm-example":
         (tmp / "example").mkdir(exist_ok=True)
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                     "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")}}
     elif name == "vllm-lmcache":
-        transfer = stack.enter_context(LmcacheServer(tmp / "lmcache-server.log")).transfer_config()
+        cache_server = stack.enter_context(LmcacheServer(tmp / "lmcache-server.log"))
+        transfer = cache_server.transfer_config()
         python = LMCACHE_PYTHON
+        if sessions is not None:
+            sessions.append(cache_server.proc.pid)
     else:
         raise ValueError(f"unknown system {name!r}: use {', '.join(SYSTEMS)}")
     # vLLM refuses a context longer than its KV budget: the budget caps the model length too
-    return stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
-                                          extra_args=("--num-gpu-blocks-override", str(num_blocks)),
-                                          max_model_len=(num_blocks - 1) * 32, python=python, env=env))
+    server = stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
+                                            extra_args=("--num-gpu-blocks-override", str(num_blocks)),
+                                            max_model_len=(num_blocks - 1) * 32, python=python, env=env))
+    if sessions is not None:
+        sessions.append(server.proc.pid)
+    return server
 
 
 def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS, device_kv_tokens: int = 1088,
@@ -297,18 +309,25 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                                   else serve.run_engine(loaded, convs, w, **args))
                 results[label].name = label
                 continue
-            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env)
+            sessions: list[int] = []
+            server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env,
+                                  sessions=sessions)
             if decode:  # the warm-up round: in neither the figures nor the /metrics deltas
                 _run_decode(server.url, rounds[:1], w.max_tokens, label)
             producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
             producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
+            cpu_before = [cpu.snapshot(session) for session in sessions]
             results[label] = (_run_trace(server.url, reqs, label) if trace
                               else _run_decode(server.url, rounds[1:], w.max_tokens, label, first_round=1) if decode
                               else _run_chat(server.url, loaded.tokenizer, convs, w, label))
             after = server.metrics()
+            cpu_used: dict[str, float] = {}
+            for session, snap in zip(sessions, cpu_before):
+                cpu_used.update(cpu.since(snap, cpu.snapshot(session)))
             results[label].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
-            breakdowns[label] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0])}
+            breakdowns[label] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0]),
+                                                             "cpu_s": cpu_used}
             if producer:
                 breakdowns[label]["producer"] = (_breakdown(producer_before, producer.metrics())
                                                  | {"load_avg": breakdowns[label]["load_avg"]})
@@ -351,7 +370,7 @@ def render(rows: list[dict]) -> str:
         lines.append(f"| {r['system']} | {r['requests']} | {r['failed']} | {r['ttft_p50_s']:.2f} s | "
                      f"{r['ttft_p99_s']:.2f} s | {r['itl_p50_s'] * 1000:,.0f} ms | {r['tokens_per_s']:.1f} | "
                      f"{r['wall_s']:.0f} s | {r['prompt_tokens']:,} | {cached} | {same} |")
-    return "\n".join(lines + ["", render_breakdown(rows)])
+    return "\n".join(lines + ["", render_breakdown(rows), "", render_cpu(rows)])
 
 
 def render_decode(rows: list[dict]) -> str:
@@ -365,7 +384,7 @@ def render_decode(rows: list[dict]) -> str:
         lines.append(f"| {r['system']} | {' / '.join(f'{x * 1000:.1f}' for x in d['round_itl_p50_s'])} ms | "
                      f"{' / '.join(f'{x:.1f}' for x in d['round_decode_tokens_per_s'])} | "
                      f"{d['best_itl_p50_s'] * 1000:.1f} ms | {d['best_decode_tokens_per_s']:.1f} | {ratio} | {same} |")
-    return "\n".join(lines + ["", render_breakdown(rows)])
+    return "\n".join(lines + ["", render_breakdown(rows), "", render_cpu(rows)])
 
 
 def render_breakdown(rows: list[dict]) -> str:
@@ -382,6 +401,26 @@ def render_breakdown(rows: list[dict]) -> str:
                       _breakdown_line(f"{r['system']} (producer)", b["producer"])]
         else:
             lines.append(_breakdown_line(r["system"], b))
+    return "\n".join(lines)
+
+
+def render_cpu(rows: list[dict]) -> str:
+    """Each vLLM system's CPU seconds over the measured run (`bench.cpu`: every thread of its processes),
+    per output token, by process, and the connector's own: kvtier's threads in the worker and its
+    scheduler-side hooks (`kvtier:scheduler_seconds`, on the engine core's thread)."""
+    lines = ["| system | CPU s | per output token | by process | kvtier threads | kvtier scheduler hooks |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        used = (r.get("breakdown") or {}).get("cpu_s")
+        if not used:
+            continue
+        total = sum(used.values())
+        tokens = r["tokens_per_s"] * r["wall_s"]
+        processes = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(cpu.by_process(used).items())[:4])
+        kvtier = sum(seconds for name, seconds in used.items() if name.partition("/")[2].startswith("kvtier"))
+        hooks = r["breakdown"].get("kvtier_scheduler_seconds", 0.0)
+        lines.append(f"| {r['system']} | {total:.1f} | {total / tokens * 1000 if tokens else 0:.1f} ms | "
+                     f"{processes} | {kvtier:.2f} s | {hooks:.2f} s |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,9 @@ the worker reads each block from the highest tier holding it (its DRAM first).
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +67,19 @@ class KvtierWorkerMetadata(KVConnectorWorkerMetadata):
         return KvtierWorkerMetadata({**self.loaded_tiers, **other.loaded_tiers})
 
 
+def _scheduler_hook(method):
+    """A scheduler-side hook, timed: vLLM calls it on the engine core's thread, between (or, scheduling
+    asynchronously, beside) the forwards, so its time is the connector's cost there (`scheduler_seconds`)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._scheduler_seconds += time.perf_counter() - start
+    return timed
+
+
 class KvtierConnector(KVConnectorBase_V1):
     """`--kv-transfer-config '{"kv_connector": "KvtierConnector", "kv_connector_module_path":
     "kvtier.integrations.vllm", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -87,6 +102,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._consumer = self._kv_transfer_config.kv_role == "kv_consumer"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._scheduler_seconds = 0.0  # in the scheduler-side hooks since the last stats (`_scheduler_hook`)
         if role == KVConnectorRole.SCHEDULER:
             # Lookups only (no writes): the worker's DRAM is in another process; what it holds is
             # written through to the shared tiers, which the scheduler asks.
@@ -130,13 +146,16 @@ class KvtierConnector(KVConnectorBase_V1):
         return True  # with TP, a block is announced once every rank's shard is in (`SchedulerEvents`)
 
     # -- scheduler side --------------------------------------------------------------------------
+    @_scheduler_hook
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         num_tokens = self._scheduler.num_matched_tokens(request, num_computed_tokens)
         return num_tokens, num_tokens > 0 and not self._layerwise
 
+    @_scheduler_hook
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
+    @_scheduler_hook
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """As looked up at admission (SSD or pool; the worker may then read a block from its DRAM:
         `kvtier:hit_tokens` and the reply's `kv_transfer_params` count where blocks really came from)."""
@@ -146,11 +165,13 @@ class KvtierConnector(KVConnectorBase_V1):
             sources[source] = sources.get(source, 0) + tokens
         return sources
 
+    @_scheduler_hook
     def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
         records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
                                                 lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
         return KvtierMetadata(records.loads, [] if self._consumer else records.saves, records.deletes)
 
+    @_scheduler_hook
     def update_connector_output(self, connector_output) -> None:
         if self._scheduler_events is not None:
             self._scheduler_events.from_worker(connector_output.kv_cache_events)
@@ -160,14 +181,17 @@ class KvtierConnector(KVConnectorBase_V1):
         if connector_output.invalid_block_ids:
             self._scheduler.load_errors(set(connector_output.invalid_block_ids))
 
+    @_scheduler_hook
     def take_events(self):
         """The tiers' `BlockStored` / `BlockRemoved` since the last step, under vLLM's block hashes."""
         return self._scheduler_events.take() if self._scheduler_events is not None else ()
 
+    @_scheduler_hook
     def has_pending_push_work(self) -> bool:
         """Blocks sent down are still landing in the tiers: step on (empty steps) until they are announced."""
         return self._scheduler_events is not None and self._scheduler_events.lingering()
 
+    @_scheduler_hook
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves were copied out during the steps: the blocks are free now. The reply's
         `kv_transfer_params` tells which tier served how many of the prompt's tokens."""
@@ -236,7 +260,10 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierWorkerMetadata(tiers) if tiers else None
 
     def get_kv_connector_stats(self) -> KvtierConnectorStats | None:
-        stats = self._worker.take_stats() if self._worker else {}
+        if self._scheduler is not None:  # vLLM adds the scheduler's to the worker's, each step
+            seconds, self._scheduler_seconds = self._scheduler_seconds, 0.0
+            return KvtierConnectorStats(data={"scheduler_seconds": seconds}) if seconds else None
+        stats = self._worker.take_stats()
         if self._rank != 0:  # vLLM sums the ranks' stats: a prompt's tokens are counted once, by rank 0
             stats = {k: v for k, v in stats.items() if not k.startswith("hit_tokens_")}
         return KvtierConnectorStats(data=stats) if stats else None

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvtier import openmp
+from kvtier.thread_names import name_os_thread
 
 log = logging.getLogger("vllm.kvtier")
 
@@ -111,8 +112,10 @@ def threads_started_off_forward() -> Iterator[set[int] | None]:
 
 
 def run_torch_here(cpus: set[int] | None) -> None:
-    """For a thread that runs torch copies beside vLLM's forward: its parallel regions use one thread
-    (this thread's OpenMP setting only), so none rebinds it to the master's core; then it runs on `cpus`."""
+    """For a thread that runs torch copies beside vLLM's forward: named at the OS level (`thread_names`:
+    its CPU time is the connector's in `bench.cpu`); its parallel regions use one thread (this thread's
+    OpenMP setting only), so none rebinds it to the master's core; then it runs on `cpus`."""
+    name_os_thread()
     if cpus is None:
         return
     openmp.one_thread()

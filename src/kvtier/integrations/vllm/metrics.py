@@ -3,7 +3,8 @@
 The worker counts what it really loaded, per tier (`hit_tokens_dram`, `hit_tokens_ssd`,
 `hit_tokens_mooncake`, `hit_tokens_redis`), and `loaded_blocks`, `failed_blocks` (recomputed),
 `saved_blocks`, `dropped_blocks` (a save queue full or a tier error: a future miss), and the time spent:
-`load_seconds`, `save_copy_seconds` (on the step), `save_write_seconds` (the writer thread).
+`load_seconds`, `save_copy_seconds` (on the step), `save_write_seconds` (the writer thread); the scheduler
+side adds `scheduler_seconds` (its hooks, on the engine core's thread).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _COUNTS = {
     "load_seconds": "The worker's time loading blocks (read, verify, write into the cache).",
     "save_copy_seconds": "The worker's time copying saved blocks out of the cache, on the step.",
     "save_write_seconds": "The writer thread's time encoding and writing saved blocks down the tiers.",
+    "scheduler_seconds": "The scheduler side's time in kvtier's hooks (lookups, load and save plans, events).",
 }
 
 
