@@ -214,6 +214,46 @@ def test_full_write_queue_drops_instead_of_blocking(tmp_path):
     m.close()
 
 
+def test_two_managers_write_on_the_process_s_one_writes_thread_and_each_flushes_its_own(tmp_path):
+    """Write-through of two managers runs on one thread (the executor's writes lane), in order; each counts the
+    blocks it dropped (the executor all of them); one's flush does not wait for the other's stuck write."""
+    from kvtier.transfer.executor import TransferExecutor, use_executor
+
+    executor = TransferExecutor(workers=1)
+    previous = use_executor(executor)
+    try:
+        a = TierManager([HostTier(8 * SIZE, SIZE), DiskTier(tmp_path / "a", 100 * SIZE)], max_pending_writes=1)
+        b = TierManager([HostTier(8 * SIZE, SIZE), DiskTier(tmp_path / "b", 100 * SIZE)], max_pending_writes=4)
+        assert executor.num_threads == 1  # the writes thread, started by the first manager's constructor
+        writers: list[tuple[str, int]] = []
+        for name, m in (("a", a), ("b", b)):
+            put = m.tiers[1].put_many
+            m.tiers[1].put_many = lambda its, n=name, put=put: writers.append((n, threading.get_ident())) or put(its)
+        b.put_many([(K[0], _block(0))])
+        ssd_lock = a._write_locks[id(a.tiers[1])]
+        ssd_lock.acquire()  # a's write-through cannot finish while we hold its SSD tier's lock
+        try:
+            a.put_many([(K[1], _block(1))])
+            assert _wait(lambda: a._writeback.num_queued == 0)  # running, held
+            a.put_many([(K[2], _block(2))])  # waits for the lane: a's one place
+            a.put_many([(K[3], _block(3))])  # dropped
+            flushed = threading.Thread(target=b.flush)
+            flushed.start()
+            flushed.join(10)
+            assert not flushed.is_alive() and a.num_pending_writes == 2  # b's write ran; a's are still out
+            assert (a.num_dropped_writes, b.num_dropped_writes, executor.num_dropped) == (1, 0, 1)
+        finally:
+            ssd_lock.release()
+        a.flush()
+        assert a.tiers[1].contains_many(K[1:4]) == [True, True, False] and b.tiers[1].contains_many(K[:1]) == [True]
+        assert [n for n, _ in writers] == ["b", "a", "a"] and len({ident for _, ident in writers}) == 1
+        a.close()
+        b.close()
+    finally:
+        use_executor(previous)
+        executor.close()
+
+
 def _wait(predicate, timeout_s: float = 10.0) -> bool:
     """A bounded poll for the background retry thread (not a timing assertion)."""
     deadline = time.monotonic() + timeout_s

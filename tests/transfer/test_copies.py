@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.executor import TransferExecutor
+from kvtier.transfer.executor import TransferExecutor
 from kvtier.transfer.copies import MAX_COPY_THREADS, CopyGroup, copy_threads, split_copy
 
 

@@ -1,4 +1,4 @@
-"""The transfer executor on its own (`kvtier.executor`): leaves on threads kept for its life, a task submitted
+"""The transfer executor on its own (`kvtier.transfer.executor`): leaves on threads kept for its life, a task submitted
 from a worker run there (no worker waits for a task queued behind it), one backpressure point that only holds
 submitters from outside, a failing leaf failing its own future (counted), and `close` running what is queued
 and joining every thread. The timeouts here only detect a deadlock; nothing is timed."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvtier.executor import TransferExecutor
+from kvtier.transfer.executor import TransferExecutor
 
 DEADLOCK_S = 60
 
@@ -141,7 +141,7 @@ def test_a_forked_child_runs_its_reads_on_an_executor_of_its_own(tmp_path):
     """The parent's workers do not exist in a forked child: a tier made before the fork still reads there."""
     import multiprocessing
 
-    from kvtier.executor import transfer_executor
+    from kvtier.transfer.executor import transfer_executor
     from kvtier.tiers import DiskTier
 
     tier = DiskTier(tmp_path, 1 << 20)
@@ -162,3 +162,134 @@ def test_a_forked_child_runs_its_reads_on_an_executor_of_its_own(tmp_path):
 def _read_in_child(tier) -> None:
     ok = tier.get_many([bytes([n]) * 16 for n in range(3)]) == [bytes([n]) * 100 for n in range(3)]
     raise SystemExit(0 if ok else 1)
+
+
+def test_a_forked_child_writes_on_a_lane_of_its_own():
+    """The parent's writes thread is held by a write; a child forked then writes on its own thread, and an owner
+    made before the fork forgets the parent's write (its join does not wait for it)."""
+    import multiprocessing
+
+    from kvtier.transfer.executor import Writes, transfer_executor
+
+    parent = transfer_executor()
+    writes = Writes(4)
+    release = threading.Event()
+    try:
+        assert writes.write(release.wait)
+        _until(lambda: writes.num_queued == 0 and writes.num_pending == 1)  # running on the parent's lane
+        child = multiprocessing.get_context("fork").Process(target=_write_in_child, args=(writes, id(parent)))
+        child.start()
+        child.join(DEADLOCK_S)
+        if child.is_alive():  # stuck waiting for the parent's lane or its write
+            child.kill()
+        assert child.exitcode == 0
+    finally:
+        release.set()
+    writes.join()
+
+
+def _write_in_child(writes, parent_id: int) -> None:
+    from kvtier.transfer.executor import transfer_executor
+
+    ran: list[str] = []
+    ok = writes.num_pending == 0 and writes.write(lambda: ran.append(threading.current_thread().name))
+    writes.join()
+    ok = ok and ran == ["kvtier-writes-0"] and id(transfer_executor()) != parent_id
+    raise SystemExit(0 if ok else 1)
+
+
+# -- the writes lane ------------------------------------------------------------------------------------------
+def _held_write(executor: TransferExecutor) -> threading.Event:
+    """A write that holds the writes thread until the returned event is set (taken off the lane when this returns)."""
+    release = threading.Event()
+    assert executor.write(release.wait)
+    _until(lambda: not executor._writes._tasks and executor._writes._idle == 0)
+    return release
+
+
+def test_writes_run_in_submission_order_on_one_thread(executor):
+    release = _held_write(executor)
+    ran: list[tuple[int, str]] = []
+    try:
+        for n in range(20):  # all queued behind the held one
+            assert executor.write(lambda n=n: ran.append((n, threading.current_thread().name)))
+    finally:
+        release.set()
+    executor.close()
+    assert ran == [(n, "kvtier-writes-0") for n in range(20)]
+    assert executor.num_dropped == 0
+
+
+def test_a_full_writes_lane_drops_the_write_and_counts_its_blocks_without_waiting():
+    executor = TransferExecutor(workers=1, max_queued_writes=2)
+    release = _held_write(executor)
+    try:
+        ran: list[int] = []
+        assert executor.write(lambda: ran.append(1), blocks=3) and executor.write(lambda: ran.append(2), blocks=4)
+        answers: list[bool] = []
+        writer = threading.Thread(target=lambda: answers.append(executor.write(lambda: ran.append(3), blocks=5)),
+                                  daemon=True)
+        writer.start()
+        writer.join(DEADLOCK_S)  # a submitter held at the bound would still be alive: a write never waits
+        assert answers == [False] and executor.num_dropped == 5
+        assert not executor.write(lambda: ran.append(4))  # no blocks: dropped, nothing counted
+        assert executor.num_dropped == 5 and executor.num_waits == 0
+        release.set()
+        executor.close()
+        assert ran == [1, 2]
+    finally:
+        release.set()
+        executor.close()
+
+
+def test_a_raising_write_is_logged_and_the_lane_goes_on(executor, caplog):
+    def fails():
+        raise OSError("the pool went away")
+
+    ran: list[int] = []
+    assert executor.write(fails) and executor.write(lambda: ran.append(1))
+    executor.close()
+    assert ran == [1] and executor.num_failed == 1
+    assert "the pool went away" in caplog.text
+
+
+def test_writes_counts_its_own_share_and_joins_only_its_own_writes(executor):
+    """Two owners on one lane: each is bound by its own share and counts its own drops (the executor both);
+    one owner's join does not wait for the other's write still running."""
+    from kvtier.transfer.executor import Writes
+
+    mine, theirs = Writes(1, executor), Writes(8, executor)
+    ran: list[str] = []
+    release = threading.Event()
+    try:
+        assert mine.write(lambda: ran.append("mine"), blocks=1)
+        assert theirs.write(release.wait, blocks=1)  # holds the lane behind mine
+        _until(lambda: ran == ["mine"] and theirs.num_queued == 0)
+        joined = threading.Thread(target=mine.join, daemon=True)
+        joined.start()
+        joined.join(DEADLOCK_S)
+        assert not joined.is_alive() and theirs.num_pending == 1  # mine ran; theirs is still running
+        assert mine.write(lambda: ran.append("mine 2"), blocks=2)  # queued behind theirs: mine's one place
+        assert not mine.write(lambda: ran.append("mine 3"), blocks=3)  # its share is full, the lane is not
+        assert (mine.num_dropped, theirs.num_dropped, executor.num_dropped) == (3, 0, 3)
+    finally:
+        release.set()
+    mine.join()
+    assert ran == ["mine", "mine 2"] and mine.num_pending == theirs.num_pending == 0
+
+
+def test_a_write_cannot_wait_for_the_writes_behind_it(executor):
+    from kvtier.transfer.executor import Writes
+
+    writes = Writes(4, executor)
+    errors: list[BaseException] = []
+
+    def join_from_the_lane():
+        try:
+            writes.join()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    assert writes.write(join_from_the_lane)
+    writes.join()
+    assert len(errors) == 1

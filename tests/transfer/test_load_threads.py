@@ -1,4 +1,4 @@
-"""The threads of a load (`kvtier.executor`, ARCHITECTURE's "The threads of a load"): restores start no thread
+"""The threads of a load (`kvtier.transfer.executor`, ARCHITECTURE's "The threads of a load"): restores start no thread
 of their own, more concurrent loads than the executor has workers (DRAM, `shm:` and SSD blocks, whole and
 layer by layer, copies on helpers) all complete with the right bytes, and a leaf that fails (a corrupt
 slice, a read that raises) costs its block only. The timeouts only detect a deadlock; nothing is timed."""
@@ -17,7 +17,7 @@ import torch
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.codecs import get_codec
 from kvtier.codecs.header import verify
-from kvtier.executor import TransferExecutor, use_executor
+from kvtier.transfer.executor import TransferExecutor, use_executor
 from kvtier.tiers import DiskTier, HostTier, SharedMemoryTier
 from kvtier.tiers.manager import TierManager
 from kvtier.transfer import BlockMover
@@ -101,6 +101,7 @@ def test_restores_start_no_thread(manager, executor, monkeypatch):
     keys, blocks = _load_blocks(manager, "warm", 9)
     release = threading.Event()
     warm = [executor.submit(release.wait) for _ in range(2)] + [executor.ahead(lambda: None)]  # every thread up
+    assert executor.write(lambda: None)  # the writes thread too (the promotions of blocks read from below)
     release.set()
     assert all(f.result(DEADLOCK_S) is not False for f in warm)
     started: list[str] = []

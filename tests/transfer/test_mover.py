@@ -80,7 +80,7 @@ def test_saves_go_through_the_one_writer_and_a_full_one_drops(tmp_path):
     keys = block_keys(KeySpace("other", LAYOUT, "raw"), list(range(12)))
     assert mover.save(keys[:1], BLOCKS[:1])  # taken by the writer thread, stuck in put_many
     deadline = threading.Event()
-    while manager._writeback._queue.qsize():
+    while manager._writeback.num_queued:
         deadline.wait(0.01)
     assert mover.save(keys[1:2], BLOCKS[1:2])  # queued
     assert not mover.save(keys[2:3], BLOCKS[2:3])  # the queue is full: dropped, never blocks

@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 from kvtier.errors import UserError
-from kvtier.executor import Tasks
+from kvtier.transfer.executor import Tasks
 from kvtier.lru import LRUIndex, tail_first
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS, TierStats
 from kvtier.tiers.buffers import Leases, ReadBuffers

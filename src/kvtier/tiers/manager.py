@@ -12,10 +12,10 @@
   every block that crossed a process or a medium (`shm:`, SSD, pools) gets the full proof.
   `stream_layers` (a layerwise load) proves and hands out layer l of every block before the last
   layer of any is read: a layered block's header and layer table first, then each slice on its own.
-- Write-back (`tiers/writeback.py`): the top tier is written synchronously, the lower tiers on one
-  queue (write-through, so a second process on the same SSD or pool sees the blocks, and demotion of
-  evicted blocks no lower tier holds yet: an eviction that write-through already placed below
-  hands back its key, not its bytes).
+- Write-back (`tiers/writeback.py`): the top tier is written synchronously, the lower tiers on the
+  process's writes lane (`transfer/executor.py`): write-through, so a second process on the same SSD or pool
+  sees the blocks, and demotion of evicted blocks no lower tier holds yet (an eviction that write-through
+  already placed below hands back its key, not its bytes).
 - Health (`tiers/health.py`): each tier is readable and writable, or not. Reads skip a tier that is
   not readable, writes one that is not writable (a full disk still serves reads); a tier that raises
   is turned off both ways. One `HealthProber` thread probes each tier that is down.
@@ -32,12 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.codecs.header import CorruptBlockError, Header, check_layer, verify
-from kvtier.executor import Tasks
 from kvtier.tiers import Backoff, Tier, TierHealth, TierStats, make_tier
 from kvtier.tiers.base import STREAM_CHUNK_BLOCKS
 from kvtier.tiers.events import TierEvents
 from kvtier.tiers.health import HealthProber
 from kvtier.tiers.writeback import WriteBack, put_chained
+from kvtier.transfer.executor import Tasks
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class TierManager:
         self._read_locks = {id(tier): threading.Lock() for tier in tiers}
         self._write_locks = {id(tier): threading.Lock() for tier in tiers}
         self._writeback = WriteBack(tiers, self._guarded, threaded=async_writes, max_pending=max_pending_writes)
-        self._aheads = Tasks()  # read-aheads on the process's read-ahead thread (`kvtier.executor`)
+        self._aheads = Tasks()  # read-aheads on the process's read-ahead thread (`kvtier.transfer.executor`)
         self._prober = HealthProber(tiers, lambda t: (self._read_locks[id(t)], self._write_locks[id(t)]))
 
     @property
@@ -308,7 +308,7 @@ class TierManager:
         verified just before it is yielded, so the copy reads it from cache, not memory (the restore
         then costs about one memcpy, not a checksum pass plus a memcpy). The blocks are fetched
         `stream_chunk_blocks` at a time (the largest among the tiers the match found them in), the next
-        chunk on the process's read-ahead thread (`kvtier.executor`) while the caller copies this one, so
+        chunk on the process's read-ahead thread (`kvtier.transfer.executor`) while the caller copies this one, so
         an SSD or pool read overlaps the copies. The promotions, the deletion of bad blocks (among those
         fetched) and the end of the pins happen when the iteration ends or the generator is closed; so does
         the end of every lease — unless `hold` is given: the yielded blocks' leases are then appended to it
@@ -543,9 +543,9 @@ class TierManager:
         self._writeback.submit([(key, data) for key, data in evicted if data is not None], through=False)
 
     def write_later(self, job, *, blocks: int) -> bool:
-        """Run `job()` on the process's one writer thread (`writeback.py`), after what is queued: a save
+        """Run `job()` on the process's writes lane (`transfer/executor.py`), after what is queued: a save
         of `blocks` blocks (`BlockMover.save`), whose put then writes through on that thread. False: no
-        writer thread (`async_writes=False`: the caller runs it) or its queue is full (dropped, counted in
+        writes lane (`async_writes=False`: the caller runs it) or it is full (dropped, counted in
         `num_dropped_writes`)."""
         return self._writeback.run_later(job, blocks=blocks)
 

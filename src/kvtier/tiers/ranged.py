@@ -61,7 +61,7 @@ def plan_pieces(size: int, head: bytes | memoryview) -> list[tuple[int, int]]:
 
 class RangedRead:
     """One file being read into `buf` in pieces (`plan_pieces`), each a leaf task on the process's transfer
-    executor (`kvtier.executor`).
+    executor (`kvtier.transfer.executor`).
     `wait(stop)`: every byte before `stop`, and the tail, is in (False: a read failed: a miss).
     `fd`: the file, opened plainly (page-cache reads); `open_device()` opens it for the device reads
     (O_DIRECT: offsets and buffer pages aligned), on the first piece the page cache lacks."""

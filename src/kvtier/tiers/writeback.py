@@ -1,24 +1,25 @@
-"""Write-back: the tier stack's writes below the top tier, off the compute path, on one queue.
+"""Write-back: the tier stack's writes below the top tier, off the compute path, on the process's writes lane.
 
-This is the process's one writer: one queue, one thread, one bound, one drop counter. Down it go the
-saves an engine hands off (`run_later(job, blocks=n)`: `BlockMover.save` — encode, then the manager's put),
-the promotions of blocks a read fetched from below into the top tier (`run_later`, off the reader's critical
-path), write-through (every block put into the top tier, so a second process on the same SSD or pool sees
-it) and demotion (a block the top tier evicted that no lower tier holds yet). A put made on the writer
-thread itself (a save's) writes through and demotes there and then: no second queue. Once write-through has
-placed a batch below, the top tier is told (`placed_below`): its later eviction returns the key alone — no
-bytes copied out, no lookup below. A full queue drops the batch (counted in blocks): the compute path never
-waits on a slow tier.
+A manager's `WriteBack` owns no thread and no queue: it queues its writes on the transfer executor's one
+writes lane (`kvtier/transfer/executor.py`: one thread for every manager of the process, in submission order,
+one bound, one drop counter), through a `Writes` view that counts its own. Down it go the saves an engine hands
+off (`run_later(job, blocks=n)`: `BlockMover.save` — encode, then the manager's put), the promotions of blocks a
+read fetched from below into the top tier (`run_later`, off the reader's critical path, after what was queued
+before), write-through (every block put into the top tier, so a second process on the same SSD or pool sees
+it) and demotion (a block the top tier evicted that no lower tier holds yet). A put made on the writes lane
+itself (a save's) writes through and demotes there and then. Once write-through has placed a batch below, the
+top tier is told (`placed_below`): its later eviction returns the key alone — no bytes copied out, no lookup
+below. A write that does not fit (this manager's `max_pending` waiting, or the lane full) is dropped, counted
+in blocks here and in the executor: the compute path never waits on a slow tier.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Sequence
 
 from kvtier.lru import tail_first
+from kvtier.transfer.executor import Writes, on_writes_lane
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +43,14 @@ def put_chained(tier, items: list[tuple[bytes, bytes]], chains: Sequence[list[by
 
 class WriteBack:
     """`guarded(tier, what, fn, fallback, writing=True)` is the manager's call into a tier (its write
-    lock, health). `threaded=False` writes on the caller's thread (tests, lookups-only stacks)."""
+    lock, health). `threaded=False` writes on the caller's thread (tests, lookups-only stacks).
+    `max_pending`: this manager's writes waiting on the lane before one is dropped."""
 
     def __init__(self, tiers: list, guarded, *, threaded: bool = True, max_pending: int = 1024) -> None:
         self.tiers = tiers
         self._guarded = guarded
-        self.num_dropped = 0
-        self._queue: queue.Queue | None = None
-        if threaded:  # even over one tier: the saves run here
-            self._queue = queue.Queue(max_pending)
-            self._thread = threading.Thread(target=self._drain, name="kvtier-writes", daemon=True)
-            self._thread.start()
+        self._writes = Writes(max_pending) if threaded else None  # even over one tier: the saves run there
+        self._closed = False
 
     def submit(self, items: list[tuple[bytes, bytes]], *, through: bool, chains: Sequence[list[bytes]] = ()) -> None:
         """Write `items` to the lower tiers: `through` for blocks the top tier keeps (then marked
@@ -60,48 +58,29 @@ class WriteBack:
         each lower tier with the put (`put_chained`)."""
         if len(self.tiers) < 2 or not (items or chains):
             return
-        if self._queue is None or self.on_writer_thread():  # a save's put: write through now, in its job
+        if not self.threaded or self.on_writer_thread():  # a save's put: write through now, in its job
             self._write(items, through, chains)
             return
-        try:
-            self._queue.put_nowait((items, through, chains))
-        except queue.Full:  # never block the compute path on a slow tier
-            self.num_dropped += len(items)
+        self._writes.write(lambda: self._write(items, through, chains), blocks=len(items))  # full: dropped, counted
 
     @property
     def threaded(self) -> bool:
-        return self._queue is not None
+        return self._writes is not None and not self._closed
+
+    @property
+    def num_dropped(self) -> int:
+        """Blocks of this manager's writes dropped (the executor's `num_dropped`: every manager's)."""
+        return self._writes.num_dropped if self._writes is not None else 0
 
     def on_writer_thread(self) -> bool:
-        return self._queue is not None and threading.current_thread() is self._thread
+        """Running on the writes lane (any manager's write: the lane is the process's)."""
+        return self.threaded and on_writes_lane()
 
     def run_later(self, fn, *, blocks: int = 0) -> bool:
-        """Run `fn()` on the writer thread, after what was queued before it. False where there is no
-        writer thread or its queue is full: the caller runs it itself (a promotion), or drops it (a save
+        """Run `fn()` on the writes lane, after what was queued before it. False where there is no
+        writes lane or it is full: the caller runs it itself (a promotion), or drops it (a save
         of `blocks` blocks, counted here)."""
-        if self._queue is None:
-            return False
-        try:
-            self._queue.put_nowait(fn)
-            return True
-        except queue.Full:
-            self.num_dropped += blocks
-            return False
-
-    def _drain(self) -> None:
-        while True:
-            batch = self._queue.get()
-            try:
-                if batch is None:
-                    return
-                if callable(batch):
-                    batch()
-                    continue
-                self._write(*batch)
-            except Exception:  # a failing tier must not kill the writer
-                log.exception("write to a lower tier failed")
-            finally:
-                self._queue.task_done()
+        return self.threaded and self._writes.write(fn, blocks=blocks)
 
     def _write(self, items: list[tuple[bytes, bytes]], through: bool, chains: Sequence[list[bytes]] = ()) -> None:
         if not through:  # evicted least recent first; a put takes the most valuable first (a chain root first)
@@ -121,16 +100,20 @@ class WriteBack:
 
     @property
     def num_pending(self) -> int:
-        """Batches queued or being written."""
-        return self._queue.unfinished_tasks if self._queue is not None else 0
+        """Writes queued or running."""
+        return self._writes.num_pending if self._writes is not None else 0
+
+    @property
+    def num_queued(self) -> int:
+        """Writes waiting to start (at most `max_pending`)."""
+        return self._writes.num_queued if self._writes is not None else 0
 
     def flush(self) -> None:
-        if self._queue is not None:
-            self._queue.join()
+        """Until this manager's writes queued so far have run (not other managers')."""
+        if self._writes is not None:
+            self._writes.join()
 
     def close(self) -> None:
+        """Flush; from then on it writes on the caller's thread (`run_later` says False)."""
         self.flush()
-        if self._queue is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=10)
-            self._queue = None
+        self._closed = True

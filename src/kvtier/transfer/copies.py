@@ -4,7 +4,7 @@ A restore into CPU KV memory that nothing computes beside (`TieredCache.load_pre
 forward) is a pure memory copy, and one core does not pull all the bandwidth DRAM has: on the 2-core
 CI machine a warm 189 MB memcpy runs at 6.3 GB/s on one thread and 12.1 GB/s split over two. So the
 restore hands its copies (`dst[...] = src`, numpy views; numpy releases the GIL inside each) to a
-`CopyGroup`, whose helpers (leaf tasks on the process's transfer executor, `kvtier.executor`) take them as
+`CopyGroup`, whose helpers (leaf tasks on the process's transfer executor, `kvtier.transfer.executor`) take them as
 they come while the caller goes on reading and verifying the next blocks, and `finish` takes part in what
 is left.
 
@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from kvtier.executor import TransferExecutor, transfer_executor
+from kvtier.transfer.executor import TransferExecutor, transfer_executor
 
 MAX_COPY_THREADS = 4  # DRAM bandwidth is reached by a few cores; more only contend
 
@@ -42,7 +42,7 @@ def split_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
 
 class CopyGroup:
     """Copies added as they come, run by up to `threads - 1` helpers on the process's transfer executor
-    (`kvtier.executor`: threads kept for the process's life, none started per restore) and, in `finish`,
+    (`kvtier.transfer.executor`: threads kept for the process's life, none started per restore) and, in `finish`,
     the caller's thread.
 
         with CopyGroup(copy_threads()) as group:

@@ -1,4 +1,5 @@
-"""The process's one transfer executor: the threads that run a load's leaf tasks, and its one read-ahead lane.
+"""The process's one transfer executor: the threads that run a load's leaf tasks, its one read-ahead lane, and its
+one writes lane (every write below the top tier).
 
 A load has two kinds of work. A *leaf* reads a file range, copies a chunk, stamps a file: it never waits
 for another task. A *coordinator* (the loader of one request: `TierManager.stream` / `stream_layers` on the
@@ -10,23 +11,32 @@ thread, never on a worker. So no worker ever waits for a task queued behind it, 
 concurrent loads, more than there are workers, only queue:
 
 - a task submitted from a worker runs there and then (a leaf that fans out waits for nothing queued);
-- `submit` from any other thread waits while `max_queued` tasks wait to start (the one backpressure point
-  on the load side; `num_waits` counts the times it held a submitter). Only coordinators submit, and
-  leaves never wait for a coordinator, so the wait always ends;
+- `submit` from any other thread waits while `max_queued` tasks wait to start (`num_waits` counts the
+  times it held a submitter). Only coordinators submit, and leaves never wait for a coordinator, so the
+  wait always ends;
 - a leaf that raises fails its future (its caller reports that block as not loaded), counted in
   `num_failed`;
 - `close()` runs what is queued and joins every thread.
 
-Where it lives: below the tiers (`kvtier/executor.py` imports nothing of kvtier), because the lowest
-layer's reads (`tiers/disk.py`, `tiers/ranged.py`) are its leaves; `transfer/` (copies, the mover, the
-layer stream), the manager's read-ahead and the engines use it from above. In `transfer/` a tier would
-import upward (and `kvtier.transfer` imports the manager, a cycle). The save side's one writer (one queue,
-one bound, one drop counter: `tiers/writeback.py`) stays apart: saves are ordered and droppable, loads are
-neither.
+Writes (`write(fn, blocks=n)`): the saves an engine hands off, write-through, demotion and the promotion of
+blocks a load fetched from below into DRAM (after the load, off its critical path), for every manager of the
+process (`tiers/writeback.py` queues them here through a `Writes` view of its own). They run in submission
+order on one thread, `kvtier-writes`. A write never waits: where `max_queued_writes` writes wait to start (or
+its owner's share, `Writes.max_queued`), it is dropped, `write` says False and its blocks are counted in
+`num_dropped` — the compute path that saves never waits on a slow tier, a loader that submits does. Where the
+lanes are full is decided in one place, here: loads wait, writes drop. A write that raises is logged and
+counted in `num_failed`; the lane goes on. A write may submit leaves and wait for them (it is a coordinator),
+never another write.
 
-Worker threads start on demand from the thread that submits (a thread inherits its starter's CPU
-placement: `integrations/vllm/cpus.py`). A forked child has none of its parent's threads: it forgets the
-parent's executor and makes its own on first use (a tier made before the fork reads on the child's).
+Where it lives: in `transfer/`, imported by the tiers below it (`tiers/disk.py`'s reads are its leaves,
+`tiers/writeback.py` writes on it), so it imports nothing of kvtier, and `kvtier.transfer` imports the mover
+(which imports the manager) only on first use.
+
+Threads start on demand from the thread that submits (a thread inherits its starter's CPU placement:
+`integrations/vllm/cpus.py`), the writes thread where the first `Writes` is made (a manager's constructor,
+as its own writer thread used to start). A forked child has none of its parent's threads: it forgets the parent's
+executor and makes its own on first use (a tier or a manager made before the fork reads and writes on the
+child's; a `Writes` forgets what its parent had pending).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
@@ -42,6 +53,8 @@ log = logging.getLogger(__name__)
 
 WORKERS = 8      # 4 SSD reads in flight (queue depth) beside a restore's copy helpers (at most 3)
 MAX_QUEUED = 4096  # tasks waiting to start before a submitter waits: a load's pieces fit; a runaway does not
+MAX_QUEUED_WRITES = 4096  # writes of every manager waiting to start before one is dropped
+WRITES_LANE = "kvtier-writes"
 
 
 _current = threading.local()  # `lane`: the lane whose worker this thread is
@@ -69,9 +82,12 @@ class _Lane:
     def owns_current_thread(self) -> bool:
         return getattr(_current, "lane", None) is self
 
-    def put(self, future: Future | None, fn, args, kwargs) -> None:
+    def put(self, future: Future | None, fn, args, kwargs, *, wait: bool = True) -> bool:
+        """Queue the task; at the bound, wait for room (`wait`) or queue nothing and return False."""
         with self._lock:
             if len(self._tasks) >= self.max_queued and not self._closing:
+                if not wait:
+                    return False
                 self.num_waits += 1
                 self._num_held += 1
                 while len(self._tasks) >= self.max_queued and not self._closing:
@@ -84,9 +100,19 @@ class _Lane:
                 self._idle -= 1
                 self._has_work.notify()
             elif len(self._threads) < self.max_threads:
-                thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
+                self._start_thread()
+        return True
+
+    def start(self) -> None:
+        """Start a thread now if none was (it inherits the caller's CPU placement), to wait for work."""
+        with self._lock:
+            if not self._threads and not self._closing:
+                self._start_thread()
+
+    def _start_thread(self) -> None:
+        thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def _work(self) -> None:
         _current.lane = self
@@ -136,18 +162,23 @@ def _run(future: Future | None, fn, args, kwargs, on_failure: Callable[[], None]
 
 class TransferExecutor(Executor):
     """`submit(fn, ...)` / `map` / `spawn(fn)` run leaves on the workers; `ahead(fn, ...)` runs one
-    coordinator task (a read-ahead that waits for leaves) on the read-ahead thread."""
+    coordinator task (a read-ahead that waits for leaves) on the read-ahead thread; `write(fn, blocks=n)` one
+    write on the writes thread, in order, or drops it."""
 
-    def __init__(self, workers: int = WORKERS, max_queued: int = MAX_QUEUED) -> None:
-        if workers < 1 or max_queued < 1:
-            raise ValueError(f"a transfer executor needs a worker and room for a task (got {workers}, {max_queued})")
+    def __init__(self, workers: int = WORKERS, max_queued: int = MAX_QUEUED,
+                 max_queued_writes: int = MAX_QUEUED_WRITES) -> None:
+        if workers < 1 or max_queued < 1 or max_queued_writes < 1:
+            raise ValueError(f"a transfer executor needs a worker and room for a task "
+                             f"(got {workers}, {max_queued}, {max_queued_writes})")
         self.num_failed = 0
-        self._failed_lock = threading.Lock()
+        self.num_dropped = 0  # blocks of the writes dropped at a bound, every owner's
+        self._counts_lock = threading.Lock()
         self._leaves = _Lane("kvtier-io", workers, max_queued, self._failed)
         self._ahead = _Lane("kvtier-ahead", 1, max_queued, self._failed)
+        self._writes = _Lane(WRITES_LANE, 1, max_queued_writes, self._failed)  # one thread: in order
 
     def _failed(self) -> None:
-        with self._failed_lock:
+        with self._counts_lock:
             self.num_failed += 1
 
     @property
@@ -157,10 +188,15 @@ class TransferExecutor(Executor):
 
     @property
     def num_threads(self) -> int:
-        return self._leaves.num_threads + self._ahead.num_threads
+        return self._leaves.num_threads + self._ahead.num_threads + self._writes.num_threads
 
     def on_worker(self) -> bool:
         return self._leaves.owns_current_thread()
+
+    def start_writes(self) -> None:
+        """Start the writes thread now, where the caller runs (a manager's constructor: vLLM makes it off the
+        forward's core), not where the first write comes from."""
+        self._writes.start()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         """Run the leaf `fn(*args, **kwargs)` on a worker (at once, here, when called from one)."""
@@ -186,6 +222,26 @@ class TransferExecutor(Executor):
         self._ahead.put(future, fn, args, kwargs)
         return future
 
+    def write(self, fn: Callable[[], None], /, *, blocks: int = 0, owner: "Writes | None" = None) -> bool:
+        """Run the write `fn()` on the writes thread, after every write queued before it. Never waits: False
+        where the lane is full, or `owner`'s share of it, and the write is dropped, its `blocks` counted in
+        `num_dropped` (and the owner's). An exception is logged and counted (`num_failed`)."""
+        admitted = owner is None or owner._admit()
+        queued = False
+        try:
+            queued = admitted and self._writes.put(None, fn if owner is None else owner._wrapped(fn), (), {},
+                                                   wait=False)
+        finally:
+            if admitted and not queued and owner is not None:
+                owner._refused()
+        if queued:
+            return True
+        with self._counts_lock:
+            self.num_dropped += blocks
+        if owner is not None:
+            owner._dropped(blocks)
+        return False
+
     def tasks(self) -> "Tasks":
         """An executor view that counts what it submitted (`Tasks.join`)."""
         return Tasks(self)
@@ -194,7 +250,8 @@ class TransferExecutor(Executor):
         self.close()
 
     def close(self) -> None:
-        """Run what is queued, then join every thread."""
+        """Run what is queued, then join every thread (the writes first: one may wait for leaves)."""
+        self._writes.close()
         self._ahead.close()
         self._leaves.close()
 
@@ -241,6 +298,91 @@ class Tasks(Executor):
             self.join()
 
 
+class Writes:
+    """The writes one owner (a manager's write-back) queues on the process's writes lane (`TransferExecutor.write`):
+    at most `max_queued` of them waiting to start (its share of the lane: one more is dropped), each counted until
+    it ran (`join` waits for this owner's, not for other owners' queued before them), and the blocks of those
+    dropped (`num_dropped`; the executor's counts every owner's).
+    `executor` None: the process's at each write (a manager made before a fork writes on the child's)."""
+
+    def __init__(self, max_queued: int, executor: TransferExecutor | None = None) -> None:
+        if max_queued < 1:
+            raise ValueError(f"a writer needs room for a write (got {max_queued})")
+        self.max_queued = max_queued
+        self.executor = executor
+        self.num_dropped = 0
+        self._forget()
+        _all_writes.add(self)
+        (executor or transfer_executor()).start_writes()  # here, where the owner is made (`start_writes`)
+
+    def _forget(self) -> None:
+        self._num_queued = 0  # waiting to start
+        self._num_open = 0    # waiting or running
+        self._cond = threading.Condition()
+
+    def write(self, fn: Callable[[], None], /, *, blocks: int = 0) -> bool:
+        """`TransferExecutor.write`, counted: False where it was dropped."""
+        return (self.executor or transfer_executor()).write(fn, blocks=blocks, owner=self)
+
+    @property
+    def num_pending(self) -> int:
+        """Writes queued or running."""
+        with self._cond:
+            return self._num_open
+
+    @property
+    def num_queued(self) -> int:
+        """Writes waiting to start."""
+        with self._cond:
+            return self._num_queued
+
+    def join(self) -> None:
+        """Until every write queued so far has run (on the writes lane itself: it would wait for itself)."""
+        if on_writes_lane():
+            raise RuntimeError("a write cannot wait for the writes queued behind it")
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_open == 0)
+
+    def _admit(self) -> bool:
+        with self._cond:
+            if self._num_queued >= self.max_queued:
+                return False
+            self._num_queued += 1
+            self._num_open += 1
+            return True
+
+    def _wrapped(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            with self._cond:
+                self._num_queued -= 1
+            try:
+                fn()
+            finally:
+                self._ended()
+        return run
+
+    def _refused(self) -> None:  # admitted, then the lane was full
+        with self._cond:
+            self._num_queued -= 1
+        self._ended()
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._num_open -= 1
+            self._cond.notify_all()
+
+    def _dropped(self, blocks: int) -> None:
+        with self._cond:
+            self.num_dropped += blocks
+
+
+def on_writes_lane() -> bool:
+    """Whether this thread is a writes lane's (the process's executor's, or one a test made)."""
+    lane = getattr(_current, "lane", None)
+    return lane is not None and lane.name == WRITES_LANE
+
+
+_all_writes: "weakref.WeakSet[Writes]" = weakref.WeakSet()
 _executor: TransferExecutor | None = None
 _executor_lock = threading.Lock()
 
@@ -255,9 +397,12 @@ def transfer_executor() -> TransferExecutor:
 
 
 def _forget_in_child() -> None:
-    """A forked child has none of its parent's threads: it makes its own executor on first use."""
+    """A forked child has none of its parent's threads: it makes its own executor on first use, and its
+    writers forget the writes their parent had queued (they run, or not, in the parent)."""
     global _executor, _executor_lock
     _executor, _executor_lock = None, threading.Lock()
+    for writes in list(_all_writes):
+        writes._forget()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
