@@ -238,17 +238,62 @@ def test_a_lookup_pins_what_it_offers_until_the_load_is_done(sides):
     assert pinned(scheduler, keys) == [False] * 3 and no_pins_left(scheduler)
 
 
-def test_a_lookup_not_scheduled_is_released_at_the_step_s_end_and_a_later_one_replaces_it(sides):
+def test_a_lookup_not_asked_again_is_released_at_the_step_s_end_and_a_later_one_replaces_it(sides):
     scheduler, worker, store = sides
     keys = saved_prompt(scheduler, worker, 3)
     waiting = request("r2", list(range(3 * T + 1)))
     assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
     assert scheduler.num_matched_tokens(waiting, 0) == 3 * T  # looked up again: one pin per block, not two
     assert scheduler.manager.tiers[0]._pins == {key: 1 for key in keys}
-    scheduler.build_records({}, lambda _: [])  # not allocated this step
+    scheduler.build_records({}, lambda _: [])  # asked this step, not allocated: still waiting, still pinned
+    assert pinned(scheduler, keys) == [True] * 3
+    scheduler.build_records({}, lambda _: [])  # a step that did not ask for it (scheduled otherwise, preempted)
     assert pinned(scheduler, keys) == [False] * 3 and no_pins_left(scheduler)
     assert scheduler.num_matched_tokens(waiting, 0) == 3 * T and pinned(scheduler, keys) == [True] * 3
     scheduler.finished("r2")  # aborted while waiting
+    assert no_pins_left(scheduler)
+
+
+def test_a_request_waiting_for_device_blocks_keeps_its_lookup_step_after_step(sides, monkeypatch):
+    """vLLM asks again each step while a request waits: the run its pins hold stands (no lookup of the whole
+    prompt, no pins taken again: one block probed), and the load, once allocated, takes it."""
+    scheduler, worker, store = sides
+    keys = saved_prompt(scheduler, worker, 3)
+    waiting = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+    scheduler.build_records({}, lambda _: [])
+    owner = scheduler.manager.tiers[0]
+    asked, pins = [], []
+    contains, pin = owner.contains_many, owner.pin_many
+    monkeypatch.setattr(owner, "contains_many", lambda k: asked.append(list(k)) or contains(k))
+    monkeypatch.setattr(owner, "pin_many", lambda k: pins.append(list(k)) or pin(k))
+    for _ in range(5):
+        assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+        scheduler.build_records({}, lambda _: [])
+    assert asked == [] and pins == []  # the whole run is held: nothing after it to probe
+    assert owner._pins == {key: 1 for key in keys}
+    scheduler.after_alloc(waiting, [4, 5, 6, 7], 3 * T)
+    assert scheduler.build_records({"r2": 0}, lambda _: [4, 5, 6, 7]).loads[0].keys == keys
+    scheduler.loaded_from({"r2": ["ssd"] * 3})
+    scheduler.finished("r2")
+    assert no_pins_left(scheduler)
+
+
+def test_a_waiting_request_looks_up_again_when_the_block_after_its_run_was_saved(sides):
+    """Another request with the same prefix saved the next block while this one waited: a fresh lookup
+    offers the longer run (a lookup kept step after step never offers less than the tiers hold)."""
+    scheduler, worker, store = sides
+    saved_prompt(scheduler, worker, 2)
+    waiting = request("r2", list(range(3 * T + 1)))
+    assert scheduler.num_matched_tokens(waiting, 0) == 2 * T
+    scheduler.build_records({}, lambda _: [])
+    assert scheduler.num_matched_tokens(waiting, 0) == 2 * T  # nothing new: the same run
+    scheduler.build_records({}, lambda _: [])
+    assert scheduler.num_matched_tokens(waiting, 0) == 2 * T
+    keys = saved_prompt(scheduler, worker, 3)  # in the same step, the third block is sent down
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+    assert scheduler.manager.tiers[0]._pins == {key: 1 for key in keys}  # the old pins replaced, not doubled
+    scheduler.finished("r2")
     assert no_pins_left(scheduler)
 
 

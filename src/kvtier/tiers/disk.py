@@ -19,7 +19,7 @@ with O_DIRECT where the file system allows it, so the bytes move once, disk to b
 cache copy and no fresh allocation — several files in flight; the buffers go back at `release`.
 A layerwise load reads layer by layer (`lease_layers`, `tiers/ranged.py`): every file's head (header,
 layer 0) and layer table first, then the other layers in page-aligned pieces. Every file read is a leaf
-task on the process's transfer executor (`kvtier.executor`): no thread of this tier's own.
+task on the process's transfer executor (`kvtier.transfer.executor`): no thread of this tier's own.
 
 Threads: one reader and one writer at a time (the manager's two sides). The index is shared under
 a short mutex; file I/O runs outside it. A key whose file we are writing or removing (`_in_flux`)
@@ -271,6 +271,7 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int | None) -> None:
         self.directory = Path(directory)
+        self._root = os.fspath(self.directory)
         _open_directory(self.directory)
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats()
@@ -319,6 +320,12 @@ class DiskTier:
     def _path(self, key: bytes) -> Path:
         hex_key = key.hex()
         return self.directory / hex_key[:2] / f"{hex_key}{_BLOCK_SUFFIX}"
+
+    def _file(self, key: bytes) -> str:
+        """`_path` as a string, for the lookups' stats (one per block, every lookup): pathlib's joins cost
+        more than the stat itself."""
+        hex_key = key.hex()
+        return f"{self._root}/{hex_key[:2]}/{hex_key}{_BLOCK_SUFFIX}"
 
     def _scan(self) -> None:
         found = []
@@ -416,7 +423,7 @@ class DiskTier:
         if not indexed:
             return self._adopt(key)
         try:
-            size = self._path(key).stat().st_size
+            size = os.stat(self._file(key)).st_size
         except OSError:
             return False
         self._resize(key, size)
@@ -436,7 +443,7 @@ class DiskTier:
         if not self.health.writable:
             return False
         try:
-            size = self._path(key).stat().st_size
+            size = os.stat(self._file(key)).st_size
         except OSError:
             return False
         with self._index_lock:
@@ -530,8 +537,7 @@ class DiskTier:
             self._watch(deletes, now)
         if not due:
             return deletes
-        root = os.fspath(self.directory)  # `_path` as a string: a third of pathlib's cost, per key a step
-        still_there = {key for key, _ in due if os.path.exists(f"{root}/{key.hex()[:2]}/{key.hex()}{_BLOCK_SUFFIX}")}
+        still_there = {key for key, _ in due if os.path.exists(self._file(key))}
         again = []
         with self._index_lock:
             for key, since in due:
@@ -583,7 +589,7 @@ class DiskTier:
         """`read(path)` of each key's file, None where it cannot be read. No index lookup first: a load
         reads where its lookup (`pin_many` / `contains_many`, maybe another process's) found the block,
         and a missing file is just a miss. Batched reads are leaf tasks on the process's transfer executor
-        (`kvtier.executor`: its workers, not threads of this tier): an SSD serves several outstanding reads
+        (`kvtier.transfer.executor`: its workers, not threads of this tier): an SSD serves several reads
         faster than one at a time (queue depth), and file reads release the GIL."""
         paths = [self._path(key) for key in keys]
         if len(paths) < 2:
@@ -910,7 +916,7 @@ class DiskStore(DiskTier):
         with self._index_lock:
             if key in self._in_flux:
                 return False
-        return self._path(key).exists()
+        return os.path.exists(self._file(key))
 
     def _insert(self, key: bytes, size: int, batch: set[bytes] = frozenset()) -> list[tuple[bytes, int]]:
         return []  # nothing indexed, nothing evicted: the owner's index decides

@@ -12,9 +12,10 @@ room; a block not written yet is a miss until its file lands); the keys evicted 
 the step's records (`StepRecords.deletes`). The blocks a lookup offers are pinned at the lookup, so neither
 this index nor any other process's (`DiskTier` pins are locks every process honours) deletes them before
 vLLM allocates for them: the allocation trims the pins to what it takes (all released if it takes none), a
-request looked up but not allocated this step is released when the step's records are built (its next
-lookup pins again), and what a load takes stays pinned until the worker reports the load done
-(`loaded_from`) or the request ends. A request's blocks are refreshed tail first (`kvtier.lru`): a lookup's
+request waiting for device blocks, which vLLM asks about again each step, keeps its lookup and pins while
+they stand (`_same_lookup`: one block probed a step, not the whole prompt), one not asked about in a step
+is released when that step's records are built (its next lookup pins again), and what a load takes stays
+pinned until the worker reports the load done (`loaded_from`) or the request ends. A request's blocks are refreshed tail first (`kvtier.lru`): a lookup's
 pins, and each step that sends blocks down refreshes the request's whole chain after admitting them, so its
 root stays the most recent and a full directory evicts chains from their tails.
 """
@@ -56,7 +57,8 @@ class SchedulerSide:
         for tier in self._directories.values():
             tier.hand_deletes_off()
         self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> the files it pinned
-        self._unallocated: set[str] = set()  # pinned by a lookup this step, not allocated (yet)
+        self._unallocated: set[str] = set()  # pinned by a lookup, not allocated (yet)
+        self._asked: set[str] = set()  # looked up this step (the others' unallocated pins go at its end)
         self._promote_into = self._directories.get(promote_into) if promote_into else None
         self._trackers: dict[str, RequestTracker] = {}
         self._plans: dict[str, LoadPlan] = {}
@@ -81,14 +83,17 @@ class SchedulerSide:
         num_blocks = (len(tokens) - 1) // self.block_tokens
         first = num_computed_tokens // self.block_tokens
         req_id = request.request_id
-        self._plans.pop(req_id, None)
-        self._release(req_id)  # a later lookup replaces the earlier one's pins
         tracker = self._tracker(request)
         if first > tracker.num_saved_blocks and not tracker.device_prefix_checked:
             self._skip_held_device_prefix(tracker, tracker.keys_for(tokens, first))
-        if num_blocks <= first:
+        keys = tracker.keys_for(tokens, num_blocks)[first:] if num_blocks > first else []
+        self._asked.add(req_id)
+        if self._same_lookup(req_id, first, keys):  # waiting for device blocks: its pins still hold the run
+            return len(self._plans[req_id].keys) * self.block_tokens
+        self._plans.pop(req_id, None)
+        self._release(req_id)  # a later lookup replaces the earlier one's pins
+        if not keys:
             return 0
-        keys = tracker.keys_for(tokens, num_blocks)[first:]
         try:
             tiers = self._match(keys)
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
@@ -101,6 +106,22 @@ class SchedulerSide:
         else:
             self._unpin(req_id)
         return len(tiers) * self.block_tokens
+
+    def _same_lookup(self, req_id: str, first: int, keys: list[bytes]) -> bool:
+        """vLLM asks again, step after step, for a request still waiting for device blocks: the last lookup's
+        run stands while its pins hold (no process evicts a pinned block) and the block after it is still not
+        held (one saved since, by another request with the same prefix, makes a fresh lookup): one `contains`
+        of one block a step instead of the whole prompt's lookup and pins (`_pin`)."""
+        plan = self._plans.get(req_id)
+        if plan is None or req_id not in self._unallocated or plan.first_block != first:
+            return False
+        if keys[:len(plan.keys)] != plan.keys:
+            return False
+        after = keys[len(plan.keys):len(plan.keys) + 1]
+        try:
+            return not (after and self._match(after))
+        except Exception:  # noqa: BLE001 - asked again in full
+            return False
 
     def _skip_held_device_prefix(self, tracker: RequestTracker, keys: list[bytes]) -> None:
         """A new request's first blocks are vLLM's device hits (`keys`): those the tiers hold already (a
@@ -245,8 +266,9 @@ class SchedulerSide:
 
     def build_records(self, num_scheduled_tokens: dict[str, int], block_ids_of) -> StepRecords:
         """This step's loads, and the blocks that are full and computed once it ran (prompt and output)."""
-        for req_id in list(self._unallocated):  # looked up, not scheduled: pinned again at its next lookup
+        for req_id in self._unallocated - self._asked:  # no longer asked for (scheduled otherwise, preempted)
             self._release(req_id)
+        self._asked.clear()
         chains = []  # the saving requests' blocks so far, refreshed once admitted
         for req_id, num_new in num_scheduled_tokens.items():
             request = self._requests.get(req_id)
