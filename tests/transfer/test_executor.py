@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from kvtier.thread_names import os_thread_name
 from kvtier.transfer.executor import TransferExecutor
 
 DEADLOCK_S = 60
@@ -38,6 +39,16 @@ def test_leaves_run_on_the_same_threads_batch_after_batch(executor):
                    for _ in range(2)]
         assert all(f.result(DEADLOCK_S).startswith("kvtier-io") for f in futures)
     assert len(seen) <= 2 and executor.num_threads <= 2
+
+
+def test_every_lane_s_threads_carry_their_names_to_the_os(executor):
+    """What `top -H` and `bench.cpu` see: the lane's thread name, not the process's."""
+    names: list[str] = []
+    assert executor.submit(os_thread_name).result(DEADLOCK_S) == "kvtier-io-0"
+    assert executor.ahead(os_thread_name).result(DEADLOCK_S) == "kvtier-ahead-0"
+    assert executor.write(lambda: names.append(os_thread_name()))
+    executor.close()
+    assert names == ["kvtier-writes-0"]
 
 
 def test_a_task_that_fans_out_and_waits_does_not_deadlock_one_worker():

@@ -29,8 +29,9 @@ counted in `num_failed`; the lane goes on. A write may submit leaves and wait fo
 never another write.
 
 Where it lives: in `transfer/`, imported by the tiers below it (`tiers/disk.py`'s reads are its leaves,
-`tiers/writeback.py` writes on it), so it imports nothing of kvtier, and `kvtier.transfer` imports the mover
-(which imports the manager) only on first use.
+`tiers/writeback.py` writes on it), so it imports nothing of kvtier above the tiers (only `thread_names`: its
+threads carry their lane's name to the OS, where `bench.cpu` counts them), and `kvtier.transfer` imports the
+mover (which imports the manager) only on first use.
 
 Threads start on demand from the thread that submits (a thread inherits its starter's CPU placement:
 `integrations/vllm/cpus.py`), the writes thread where the first `Writes` is made (a manager's constructor,
@@ -48,6 +49,8 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+
+from kvtier.thread_names import name_os_thread
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class _Lane:
 
     def _work(self) -> None:
         _current.lane = self
+        name_os_thread()
         while True:
             with self._lock:
                 while not self._tasks and not self._closing:
