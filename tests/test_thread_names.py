@@ -21,6 +21,8 @@ def test_a_thread_takes_its_python_name_at_the_os_level_cut_to_15_bytes():
         seen["after"] = os_thread_name()
         name_os_thread("kvtier-a-very-long-name")
         seen["long"] = os_thread_name()
+        name_os_thread("kvtier-loadX\u00e9\u00e9\u00e9")  # the 15th byte is half of the second \u00e9
+        seen["cut"] = os_thread_name()
 
     thread = threading.Thread(target=run, name="kvtier-load_0")
     thread.start()
@@ -28,4 +30,5 @@ def test_a_thread_takes_its_python_name_at_the_os_level_cut_to_15_bytes():
     if sys.version_info < (3, 14):
         assert seen["before"] != "kvtier-load_0"  # Python before 3.14 does not name it
     assert seen["after"] == "kvtier-load_0" and seen["long"] == "kvtier-a-very-l"
+    assert seen["cut"] == "kvtier-loadX\u00e9"  # a character cut in two is left out
     assert os_thread_name() != "kvtier-load_0"  # the caller's own name is untouched

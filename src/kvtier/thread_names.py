@@ -5,7 +5,6 @@ its process there. `bench.cpu` finds the connector's share of a vLLM worker's CP
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 
@@ -13,17 +12,18 @@ _PR_SET_NAME = 15  # prctl(2): the calling thread's name, 15 bytes and a NUL
 _libc = None
 if sys.platform.startswith("linux"):
     try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc's prctl
     except OSError:
         _libc = None
 
 
 def name_os_thread(name: str | None = None) -> None:
-    """Give the calling thread `name` (default: its Python name) at the OS level, cut to 15 bytes.
-    A no-op off Linux."""
+    """Give the calling thread `name` (default: its Python name) at the OS level, cut to 15 bytes on a
+    character's boundary. A no-op off Linux."""
     if _libc is None:
         return
     text = (name or threading.current_thread().name).encode(errors="replace")[:15]
+    text = text.decode(errors="ignore").encode()  # a character cut in two is left out
     _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(text), 0, 0, 0)
 
 

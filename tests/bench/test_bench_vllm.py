@@ -93,13 +93,15 @@ def test_a_disaggregated_pair_has_a_breakdown_row_for_each_engine():
 def test_the_cpu_table_is_per_output_token_by_process_and_the_connector_s_own():
     from kvtier.bench.vllm import render_cpu
 
-    used = {"VLLM::Worker/VLLM::Worker": 30.0, "VLLM::Worker/kvtier-load": 1.5, "VLLM::Worker/kvtier-writes": 0.5,
-            "VLLM::EngineCor/VLLM::EngineCor": 6.0, "python/python": 2.0}
+    used = {"vllm:VLLM::Worker/VLLM::Worker": 30.0, "vllm:VLLM::Worker/kvtier-load": 1.5,
+            "vllm:VLLM::Worker/kvtier-writes": 0.5, "vllm:VLLM::EngineCor/VLLM::EngineCor": 6.0,
+            "vllm:python/python": 1.0, "lmcache:python/python": 1.0}
     rows = [{"system": "vllm-kvtier-dram", "tokens_per_s": 50.0, "wall_s": 8.0,
              "breakdown": {"cpu_s": used, "kvtier_scheduler_seconds": 0.25}},
             {"system": "kvtier-serve", "tokens_per_s": 50.0, "wall_s": 8.0, "breakdown": {}}]
     assert render_cpu(rows).splitlines()[2:] == [  # 40 s of CPU over 400 tokens; kvtier-serve: not a vLLM server
-        "| vllm-kvtier-dram | 40.0 | 100.0 ms | VLLM::Worker 32.0, VLLM::EngineCor 6.0, python 2.0 | 2.00 s | 0.25 s |"]
+        "| vllm-kvtier-dram | 40.0 | 100.0 ms | vllm:VLLM::Worker 32.0, vllm:VLLM::EngineCor 6.0, vllm:python 1.0, "
+        "lmcache:python 1.0 | 2.00 s | 0.25 s |"]
 
 
 def test_decode_rounds_are_fresh_passages_that_share_no_first_block():

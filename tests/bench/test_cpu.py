@@ -49,11 +49,12 @@ def test_a_thread_s_cpu_seconds_are_found_under_its_name_without_its_number(chil
     child.stdin.write("\n")
     child.stdin.flush()
     assert child.stdout.readline().strip() == "spun"
-    used = cpu.since(before, cpu.snapshot(child.pid))
+    used = cpu.since(before, cpu.snapshot(child.pid), "child")
     burn = {name: s for name, s in used.items() if name.endswith("/kvtier-burn")}
     assert len(burn) == 1 and 0.5 <= next(iter(burn.values())) <= 1.5, used
     assert sum(s for name, s in used.items() if name not in burn) < 0.2, used  # the main thread slept
     process = next(iter(burn)).partition("/")[0]
+    assert process.startswith("child:")
     assert cpu.by_process(used) == {process: pytest.approx(sum(used.values()), abs=0.02)}
 
 
@@ -61,3 +62,11 @@ def test_only_the_session_s_own_threads_are_counted(child):
     threads = cpu.snapshot(child.pid)
     assert {tid for _, _, tid in threads} == {int(tid) for tid in os.listdir(f"/proc/{child.pid}/task")}
     assert cpu.snapshot(2 ** 22 + 7) == {}  # no such session
+
+
+def test_a_thread_name_in_any_bytes_is_read(tmp_path):
+    """A comm with a ')' , spaces and bytes that are not UTF-8 (a name cut mid-character) still parses."""
+    stat = tmp_path / "stat"
+    stat.write_bytes(b"42 (a) b \xe2\x82) S 1 42 42 0 -1 4194304 0 0 0 0 250 50 0 0 20 0 1 0 0 0 0")
+    comm, fields = cpu._stat(stat)
+    assert comm == "a) b \ufffd" and fields[3] == "42" and (fields[11], fields[12]) == ("250", "50")

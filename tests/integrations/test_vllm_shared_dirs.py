@@ -279,6 +279,29 @@ def test_a_request_waiting_for_device_blocks_keeps_its_lookup_step_after_step(si
     assert no_pins_left(scheduler)
 
 
+def test_a_miss_asks_for_one_block_and_a_kept_run_from_a_pool_is_asked_again(sides, monkeypatch):
+    """A prompt whose first block no tier holds costs one block's lookup, not the prompt's; a run a pool
+    holds (not pinned: a pool evicts on its own) is looked up again in full at each ask."""
+    scheduler, worker, store = sides
+    owner = scheduler.manager.tiers[0]
+    asked = []
+    contains = owner.contains_many
+    monkeypatch.setattr(owner, "contains_many", lambda k: asked.append(len(k)) or contains(k))
+    assert scheduler.num_matched_tokens(request("new", [500 + t for t in range(6 * T + 1)]), 0) == 0
+    assert asked == [1]
+    saved_prompt(scheduler, worker, 3)
+    waiting = request("r2", list(range(3 * T + 1)))
+    asked.clear()
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+    assert asked == [1, 3]  # the first block, then the run
+    scheduler._plans["r2"].tiers = ["mooncake"] * 3  # as if a pool held the run
+    asked.clear()
+    assert scheduler.num_matched_tokens(waiting, 0) == 3 * T
+    assert asked == [1, 3]
+    scheduler.finished("r2")
+    assert no_pins_left(scheduler)
+
+
 def test_a_waiting_request_looks_up_again_when_the_block_after_its_run_was_saved(sides):
     """Another request with the same prefix saved the next block while this one waited: a fresh lookup
     offers the longer run (a lookup kept step after step never offers less than the tiers hold)."""

@@ -175,15 +175,17 @@ def _read_in_child(tier) -> None:
     raise SystemExit(0 if ok else 1)
 
 
-def test_a_forked_child_writes_on_a_lane_of_its_own():
+@pytest.mark.parametrize("given", [False, True], ids=["the process's executor", "an executor given"])
+def test_a_forked_child_writes_on_a_lane_of_its_own(given):
     """The parent's writes thread is held by a write; a child forked then writes on its own thread, and an owner
-    made before the fork forgets the parent's write (its join does not wait for it)."""
+    made before the fork forgets the parent's write (its join does not wait for it) and an executor it was given
+    (the parent's: no thread of it runs in the child)."""
     import multiprocessing
 
     from kvtier.transfer.executor import Writes, transfer_executor
 
-    parent = transfer_executor()
-    writes = Writes(4)
+    parent = TransferExecutor(workers=2) if given else transfer_executor()
+    writes = Writes(4, executor=parent if given else None)
     release = threading.Event()
     try:
         assert writes.write(release.wait)
@@ -197,6 +199,8 @@ def test_a_forked_child_writes_on_a_lane_of_its_own():
     finally:
         release.set()
     writes.join()
+    if given:
+        parent.close()
 
 
 def _write_in_child(writes, parent_id: int) -> None:

@@ -3,9 +3,11 @@
 after (`since`): on a box whose cores the forward already fills, a connector's cost is the CPU its threads
 and hooks take from it, wherever they run (the engine core, the worker, a cache server of its own).
 
-Thread names are grouped without their numbers (`kvtier-load_0` and `kvtier-load_1` are `kvtier-load`); a
-thread that ended between the snapshots is missing from the second (its time is lost, so the long-lived
-threads of a server are what this measures). Linux only: elsewhere a snapshot is empty."""
+Names are `<label>:<process>/<thread>`: the label says which process tree (a system may start several: vLLM
+and LMCache's cache server, a disaggregated pair, a pool), thread names are grouped without their numbers
+(`kvtier-load_0` and `kvtier-load_1` are `kvtier-load`). A thread that ended between the snapshots is missing
+from the second (its time is lost, so the long-lived threads of a server are what this measures). Linux
+only: elsewhere a snapshot is empty."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ Snapshot = dict[tuple[str, str, int], float]  # (process name, thread name, thre
 def _stat(path: Path) -> tuple[str, list[str]] | None:
     """(comm, the fields after it) of a `/proc/.../stat`, None if it is gone."""
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode(errors="replace")  # a thread may name itself in any bytes
     except OSError:
         return None
     head, _, rest = text.rpartition(")")
@@ -54,17 +56,18 @@ def snapshot(session: int) -> Snapshot:
     return out
 
 
-def since(before: Snapshot, after: Snapshot) -> dict[str, float]:
-    """CPU seconds between two snapshots, by `process/thread` name (numbers stripped), largest first."""
+def since(before: Snapshot, after: Snapshot, label: str) -> dict[str, float]:
+    """CPU seconds between two snapshots of one session, by `label:process/thread` (numbers stripped),
+    largest first."""
     used: Counter = Counter()
     for key, seconds in after.items():
         process, thread, _ = key
-        used[f"{process}/{_NUMBERED.sub('', thread)}"] += seconds - before.get(key, 0.0)
+        used[f"{label}:{process}/{_NUMBERED.sub('', thread)}"] += seconds - before.get(key, 0.0)
     return {name: round(seconds, 2) for name, seconds in used.most_common() if seconds > 0}
 
 
 def by_process(used: dict[str, float]) -> dict[str, float]:
-    """`since`'s figures summed per process name."""
+    """`since`'s figures summed per `label:process`."""
     out: Counter = Counter()
     for name, seconds in used.items():
         out[name.partition("/")[0]] += seconds

@@ -210,9 +210,10 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str,
-                 env: dict[str, str] | None = None, sessions: list[int] | None = None):
-    """The system's server(s), started; `sessions` gets the process session of each process tree it
-    started (vLLM's, a disaggregated pair's two, LMCache's cache server), for `bench.cpu`."""
+                 env: dict[str, str] | None = None, sessions: list[tuple[str, int]] | None = None):
+    """The system's server(s), started; `sessions` gets (label, session) for each process tree it started
+    (vLLM's, a disaggregated pair's two, LMCache's cache server, a pool's), for `bench.cpu`."""
+    sessions = [] if sessions is None else sessions
     from kvtier.bench.pools import MooncakePool
     from kvtier.bench.servers import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
                                       kvtier_transfer_config)
@@ -230,6 +231,7 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
         pool = MooncakePool(tmp, segment="2GB", buffer="256MiB")
         stack.callback(pool.kill)
         pool.start()
+        sessions += [("mooncake", proc.pid) for proc in pool.procs]
         transfer = kvtier_transfer_config(["dram:2GiB", pool.spec], load=load)
     elif name == "vllm-kvtier-disagg":
         shm = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/dev/shm"))
@@ -237,8 +239,7 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
         pair = stack.enter_context(DisaggSystem(model_dir, tmp, [f"shm:{shm}:2GiB"], load=load,
                                                 extra_args=("--num-gpu-blocks-override", str(num_blocks)),
                                                 max_model_len=(num_blocks - 1) * 32))
-        if sessions is not None:
-            sessions += [pair.producer.proc.pid, pair.consumer.proc.pid]
+        sessions += [("producer", pair.producer.proc.pid), ("consumer", pair.consumer.proc.pid)]
         return pair
     elif name == "vllm-example":
         (tmp / "example").mkdir(exist_ok=True)
@@ -248,16 +249,14 @@ def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num
         cache_server = stack.enter_context(LmcacheServer(tmp / "lmcache-server.log"))
         transfer = cache_server.transfer_config()
         python = LMCACHE_PYTHON
-        if sessions is not None:
-            sessions.append(cache_server.proc.pid)
+        sessions.append(("lmcache", cache_server.proc.pid))
     else:
         raise ValueError(f"unknown system {name!r}: use {', '.join(SYSTEMS)}")
     # vLLM refuses a context longer than its KV budget: the budget caps the model length too
     server = stack.enter_context(VllmServer(model_dir, tmp / f"{name}.log", kv_transfer=transfer,
                                             extra_args=("--num-gpu-blocks-override", str(num_blocks)),
                                             max_model_len=(num_blocks - 1) * 32, python=python, env=env))
-    if sessions is not None:
-        sessions.append(server.proc.pid)
+    sessions.append(("vllm", server.proc.pid))
     return server
 
 
@@ -309,7 +308,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                                   else serve.run_engine(loaded, convs, w, **args))
                 results[label].name = label
                 continue
-            sessions: list[int] = []
+            sessions: list[tuple[str, int]] = []
             server = _vllm_system(name, model_dir, Path(tmp), stack, num_blocks=num_blocks, load=load, env=env,
                                   sessions=sessions)
             if decode:  # the warm-up round: in neither the figures nor the /metrics deltas
@@ -317,14 +316,15 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
             producer = getattr(server, "producer", None)  # a disaggregated pair: `server` reads its consumer
             producer_before = producer.metrics() if producer else {}
             before, load_before = server.metrics(), os.getloadavg()[0]
-            cpu_before = [cpu.snapshot(session) for session in sessions]
+            cpu_before = [cpu.snapshot(session) for _, session in sessions]
             results[label] = (_run_trace(server.url, reqs, label) if trace
                               else _run_decode(server.url, rounds[1:], w.max_tokens, label, first_round=1) if decode
                               else _run_chat(server.url, loaded.tokenizer, convs, w, label))
             after = server.metrics()
             cpu_used: dict[str, float] = {}
-            for session, snap in zip(sessions, cpu_before):
-                cpu_used.update(cpu.since(snap, cpu.snapshot(session)))
+            for (label, session), snap in zip(sessions, cpu_before):  # one label may name two trees: added
+                for name, seconds in cpu.since(snap, cpu.snapshot(session), label).items():
+                    cpu_used[name] = round(cpu_used.get(name, 0.0) + seconds, 2)
             results[label].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
             breakdowns[label] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0]),
                                                              "cpu_s": cpu_used}
@@ -416,7 +416,7 @@ def render_cpu(rows: list[dict]) -> str:
             continue
         total = sum(used.values())
         tokens = r["tokens_per_s"] * r["wall_s"]
-        processes = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(cpu.by_process(used).items())[:4])
+        processes = ", ".join(f"{name} {seconds:.1f}" for name, seconds in list(cpu.by_process(used).items())[:5])
         kvtier = sum(seconds for name, seconds in used.items() if name.partition("/")[2].startswith("kvtier"))
         hooks = r["breakdown"].get("kvtier_scheduler_seconds", 0.0)
         lines.append(f"| {r['system']} | {total:.1f} | {total / tokens * 1000 if tokens else 0:.1f} ms | "

@@ -109,11 +109,13 @@ class WriteBack:
         return self._writes.num_queued if self._writes is not None else 0
 
     def flush(self) -> None:
-        """Until this manager's writes queued so far have run (not other managers')."""
+        """Until this manager's writes queued so far have run (and, the lane being in order, every write queued
+        before them, whoever's; not those queued after)."""
         if self._writes is not None:
             self._writes.join()
 
     def close(self) -> None:
-        """Flush; from then on it writes on the caller's thread (`run_later` says False)."""
-        self.flush()
+        """From now on it writes on the caller's thread (`run_later` says False), then flushes: a write made
+        meanwhile never lands on the lane after the manager has closed its tiers."""
         self._closed = True
+        self.flush()

@@ -305,7 +305,8 @@ class Tasks(Executor):
 class Writes:
     """The writes one owner (a manager's write-back) queues on the process's writes lane (`TransferExecutor.write`):
     at most `max_queued` of them waiting to start (its share of the lane: one more is dropped), each counted until
-    it ran (`join` waits for this owner's, not for other owners' queued before them), and the blocks of those
+    it ran (`join` waits for this owner's, and so for every write queued before them, not for those after), and
+    the blocks of those
     dropped (`num_dropped`; the executor's counts every owner's).
     `executor` None: the process's at each write (a manager made before a fork writes on the child's)."""
 
@@ -402,11 +403,13 @@ def transfer_executor() -> TransferExecutor:
 
 def _forget_in_child() -> None:
     """A forked child has none of its parent's threads: it makes its own executor on first use, and its
-    writers forget the writes their parent had queued (they run, or not, in the parent)."""
+    writers forget the writes their parent had queued (they run, or not, in the parent) and the executor they
+    were given (the parent's: its lanes have no thread here)."""
     global _executor, _executor_lock
     _executor, _executor_lock = None, threading.Lock()
     for writes in list(_all_writes):
         writes._forget()
+        writes.executor = None
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

@@ -13,9 +13,10 @@
   several threads) passes it as `copies`: the mover finishes it before any lease ends, and a failed
   copy restores nothing (logged, counted; the destination may be half-written, the caller computes).
 - save (`save(keys, blocks)`): the encode (checksum) and the manager's put of full blocks run off the
-  caller's step, as a job on the process's one writer (`TierManager.write_later`, `tiers/writeback.py`),
-  where the put writes through to the lower tiers at once: one queue, one bound, one drop counter for
-  saves, write-through, demotion and promotion. A full queue drops the save (a future miss, counted).
+  caller's step, as a job on the process's writes lane (`TierManager.write_later`, `tiers/writeback.py`, the
+  transfer executor's one writes thread), where the put writes through to the lower tiers at once: the same
+  lane, bound and drop counter for saves, write-through, demotion and promotion. A full lane (or this
+  manager's share of it) drops the save (a future miss, counted).
   `synchronous=True` (or a manager without a writer thread) runs each save on the caller's thread;
   `on_thread_start` runs once on the writer thread before its first save (vLLM's CPU worker:
   `integrations/vllm/cpus.py`).

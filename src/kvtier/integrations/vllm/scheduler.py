@@ -15,9 +15,10 @@ vLLM allocates for them: the allocation trims the pins to what it takes (all rel
 request waiting for device blocks, which vLLM asks about again each step, keeps its lookup and pins while
 they stand (`_same_lookup`: one block probed a step, not the whole prompt), one not asked about in a step
 is released when that step's records are built (its next lookup pins again), and what a load takes stays
-pinned until the worker reports the load done (`loaded_from`) or the request ends. A request's blocks are refreshed tail first (`kvtier.lru`): a lookup's
-pins, and each step that sends blocks down refreshes the request's whole chain after admitting them, so its
-root stays the most recent and a full directory evicts chains from their tails.
+pinned until the worker reports the load done (`loaded_from`) or the request ends. A request's blocks are
+refreshed tail first (`kvtier.lru`): a lookup's pins, and each step that sends blocks down refreshes the
+request's whole chain after admitting them, so its root stays the most recent and a full directory evicts
+chains from their tails. A lookup asks for the first block alone before the rest: a miss costs one block.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class SchedulerSide:
         if not keys:
             return 0
         try:
-            tiers = self._match(keys)
+            tiers = self._match(keys) if self._match(keys[:1]) else []  # a miss: one block asked, not all
         except Exception:  # noqa: BLE001 - a lookup error is a miss, never a failed request
             log.exception("kvtier: lookup failed; computing the prompt")
             return 0
@@ -109,12 +110,15 @@ class SchedulerSide:
 
     def _same_lookup(self, req_id: str, first: int, keys: list[bytes]) -> bool:
         """vLLM asks again, step after step, for a request still waiting for device blocks: the last lookup's
-        run stands while its pins hold (no process evicts a pinned block) and the block after it is still not
-        held (one saved since, by another request with the same prefix, makes a fresh lookup): one `contains`
-        of one block a step instead of the whole prompt's lookup and pins (`_pin`)."""
+        run stands while its pins hold (no process evicts a pinned block: a run all in this side's directories)
+        and the block after it is still not held (one saved since, by another request with the same prefix,
+        makes a fresh lookup): one `contains` of one block a step instead of the whole prompt's lookup and pins
+        (`_pin`). A pinned block deleted as corrupt meanwhile fails its load, which is then recomputed."""
         plan = self._plans.get(req_id)
         if plan is None or req_id not in self._unallocated or plan.first_block != first:
             return False
+        if any(tier not in self._directories for tier in plan.tiers):
+            return False  # a pool's blocks are not pinned: asked again in full
         if keys[:len(plan.keys)] != plan.keys:
             return False
         after = keys[len(plan.keys):len(plan.keys) + 1]

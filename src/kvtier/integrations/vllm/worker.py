@@ -88,7 +88,7 @@ class WorkerSide:
     def __init__(self, layout: KVLayout, codec: Codec, manager: TierManager, *,
                  transfer_cpus: set[int] | None = None, stores: dict[str, DiskStore] | None = None) -> None:
         """`transfer_cpus`: where the load and save threads run their copies (`cpus.py`; None: anywhere).
-        Saves queue on the manager's writer (its `max_pending_writes` bounds them).
+        Saves queue on the process's writes lane (the manager's `max_pending_writes` bounds its share).
         `stores`: the directories among the manager's tiers, by tier name, that delete what the scheduler evicts."""
         self.layout = layout
         self.codec = codec
