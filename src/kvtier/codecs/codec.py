@@ -10,6 +10,7 @@ checksum per layer, `codecs/header.py`) unless zstd'd, so a reader may take one 
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol
 
 import torch
@@ -100,7 +101,8 @@ class Codec:
         if not hdr.layered or self.scheme.payload_bytes(hdr.shape, hdr.dtype) != hdr.payload_bytes:
             raise CorruptBlockError(f"block of {hdr.payload_bytes} payload bytes, flags {hdr.flags:#x}: not layered")
         start, stop = hdr.layer_range(layer)
-        kv = frombuffer(memoryview(buf).cast("B")[start:stop]).view(getattr(torch, hdr.dtype)).view(hdr.shape[1:])
+        dtype = getattr(torch, hdr.dtype)
+        kv = frombuffer(buf, dtype, start, (stop - start) // dtype.itemsize).view(hdr.shape[1:])
         return kv.to(device) if device is not None else kv
 
     def _check_params(self, hdr: Header) -> None:
@@ -141,13 +143,17 @@ def _byte_view(part: torch.Tensor) -> memoryview:
     return memoryview(byte_array(part)).cast("B")
 
 
-def frombuffer(payload: memoryview | bytes) -> torch.Tensor:
-    """uint8 tensor over the payload without a copy (read-only buffers too: decoders only read it)."""
-    import warnings
+# torch warns at every tensor over a read-only buffer (a lease, bytes); decoders only read theirs. Filtered for
+# this module's calls once, here (a `catch_warnings` per call cost more than a layer slice's copy).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we never write into it
-        return torch.frombuffer(payload, dtype=torch.uint8)
+
+def frombuffer(payload: memoryview | bytes, dtype: torch.dtype = torch.uint8, offset: int = 0,
+               count: int = -1) -> torch.Tensor:
+    """A tensor over the payload's bytes without a copy (`count` elements of `dtype` from byte `offset`;
+    read-only buffers too: decoders only read it)."""
+    return torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
 
 
 def take(data: torch.Tensor, offset: int, num_bytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
