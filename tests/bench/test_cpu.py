@@ -70,3 +70,16 @@ def test_a_thread_name_in_any_bytes_is_read(tmp_path):
     stat.write_bytes(b"42 (a) b \xe2\x82) S 1 42 42 0 -1 4194304 0 0 0 0 250 50 0 0 20 0 1 0 0 0 0")
     comm, fields = cpu._stat(stat)
     assert comm == "a) b \ufffd" and fields[3] == "42" and (fields[11], fields[12]) == ("250", "50")
+
+
+def test_bench_vllm_adds_the_trees_one_label_names_and_keeps_the_others_apart(child):
+    from kvtier.bench.vllm import cpu_since
+
+    sessions = [("vllm", child.pid), ("pool", child.pid), ("pool", child.pid)]
+    before = [cpu.snapshot(session) for _, session in sessions]
+    child.stdin.write("\n")
+    child.stdin.flush()
+    assert child.stdout.readline().strip() == "spun"
+    used = cpu_since(sessions, before)
+    burn = {name.partition(":")[0]: s for name, s in used.items() if name.endswith("/kvtier-burn")}
+    assert set(burn) == {"vllm", "pool"} and burn["pool"] == pytest.approx(2 * burn["vllm"], abs=0.05)

@@ -179,6 +179,16 @@ def _delta(before: dict, after: dict, name: str, **labels) -> float:
     return total(after) - total(before)
 
 
+def cpu_since(sessions: list[tuple[str, int]], before: list) -> dict[str, float]:
+    """The CPU seconds of each (label, session) since its snapshot in `before`, by `bench.cpu` name; one label
+    may name two trees (a pool's processes): their figures are added."""
+    used: dict[str, float] = {}
+    for (tree, session), snap in zip(sessions, before):
+        for name, seconds in cpu.since(snap, cpu.snapshot(session), tree).items():
+            used[name] = round(used.get(name, 0.0) + seconds, 2)
+    return used
+
+
 def _breakdown(before: dict, after: dict) -> dict[str, float]:
     """Where the time went, from vLLM's request histograms (means per finished request) and kvtier's counters."""
     def delta(name: str) -> float:
@@ -321,10 +331,7 @@ def run(workload: Workload | None = None, *, systems: tuple[str, ...] = SYSTEMS,
                               else _run_decode(server.url, rounds[1:], w.max_tokens, label, first_round=1) if decode
                               else _run_chat(server.url, loaded.tokenizer, convs, w, label))
             after = server.metrics()
-            cpu_used: dict[str, float] = {}
-            for (label, session), snap in zip(sessions, cpu_before):  # one label may name two trees: added
-                for name, seconds in cpu.since(snap, cpu.snapshot(session), label).items():
-                    cpu_used[name] = round(cpu_used.get(name, 0.0) + seconds, 2)
+            cpu_used = cpu_since(sessions, cpu_before)
             results[label].prefix_hit_tokens_by_tier = _cached_tokens(before, after)
             breakdowns[label] = _breakdown(before, after) | {"load_avg": max(load_before, os.getloadavg()[0]),
                                                              "cpu_s": cpu_used}
