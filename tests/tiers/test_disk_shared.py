@@ -426,3 +426,17 @@ def test_a_file_system_that_refuses_byte_range_locks_degrades_to_in_process_pins
     held = [key for key in KEYS if tier.contains_many([key]) == [True]]
     assert len(held) == 2 and on_disk == {key.hex() for key in held}  # exactly what the index holds
     tier.close()
+
+
+def test_a_platform_without_ofd_locks_pins_in_process(tmp_path, monkeypatch, caplog):
+    """macOS has `fcntl` but no `F_OFD_SETLK`: the directory works as one that refuses locks (pins hold in
+    this index, evictions take no lock), said once, never an AttributeError at the first pin."""
+    monkeypatch.delattr(disk.fcntl, "F_OFD_SETLK")
+    tier = DiskTier(tmp_path, 2 * BLOCK_BYTES)
+    put(tier, KEYS[0], KEYS[1])
+    assert tier.pin_many([KEYS[0]]) == [True]
+    put(tier, KEYS[2])  # evicts K1, not the pinned K0
+    assert tier.contains_many(KEYS[:3]) == [True, False, True]
+    tier.unpin([KEYS[0]])
+    assert "refuses byte-range locks" in caplog.text
+    tier.close()

@@ -32,7 +32,8 @@ is writing or has pinned for a load:
   (never over a block already there); start-up removes only temporary files older than
   `TMP_GRACE_SECONDS` (a crash's, not a live write);
 - a pin (`pin_many`, the lookup a load follows) is a shared byte-range lock on the block's byte of a lock
-  file (`.kvtier-locks/`, Linux open file description locks: `_BlockLocks`), held until `unpin`: no
+  file (`.kvtier-locks/`, Linux open file description locks: `_BlockLocks`; a platform without them pins in
+  this process only), held until `unpin`: no
   descriptor per pin, so any number of pins hold in every process; every eviction takes the exclusive lock
   first (non-blocking), holds it across the unlink, and leaves a locked file where it is;
 - no file stays on disk that no index counts: a file an eviction left (pinned) is a leftover of the
@@ -144,6 +145,8 @@ class _BlockLocks:
         self._pins: dict[tuple[int, int], int] = {}  # (lock file, byte) -> this index's pins on it
         self._closed = False
         self._unlockable = False  # a lock call failed for another reason than a held byte: no lock files now
+        if not hasattr(fcntl, "F_OFD_SETLK"):  # open file description locks are Linux's (macOS has none)
+            self._give_up(OSError(errno.ENOSYS, "no open file description locks on this platform"))
 
     def _give_up(self, exc: OSError) -> None:
         """The file system refused a byte-range lock (ENOLCK: NFS without lockd; EINVAL / ENOSYS: no OFD
