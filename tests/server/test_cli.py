@@ -164,7 +164,6 @@ def test_serve_process_answers(tmp_path):
     endpoint = f"ipc://{tmp_path}/events.sock"
     events = zmq.Context.instance().socket(zmq.SUB)  # a router's view of the process's KV events
     events.setsockopt(zmq.SUBSCRIBE, b"")
-    events.connect(endpoint)
     proc = subprocess.Popen([str(Path(sys.executable).parent / "kvtier"), "serve", "--model", "tiny", "--port", str(port),
                              "--device-kv-budget", "1MiB", "--block-tokens", "16", "--tier", "dram:16MiB",
                              "--tier", f"ssd:{tmp_path / 'ssd'}:16MiB", "--served-model-name", "x",
@@ -174,6 +173,10 @@ def test_serve_process_answers(tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         assert _became_healthy(url, proc), "kvtier serve never answered /health"
+        # subscribed once the endpoint is bound: a SUB that connects to an ipc path before it exists sometimes
+        # never connects (libzmq; 2 runs in 4 here), and a new subscription takes a moment to reach the PUB
+        events.connect(endpoint)
+        time.sleep(0.5)
         r = httpx.post(url + "/v1/completions", json={"model": "x", "prompt": "Once more unto the breach, dear friends",
                                                       "max_tokens": 5, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
