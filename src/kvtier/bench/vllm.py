@@ -220,10 +220,9 @@ def _cached_tokens(before: dict, after: dict) -> dict[str, int]:
 
 
 def _vllm_system(name: str, model_dir: Path, tmp: Path, stack: ExitStack, *, num_blocks: int, load: str,
-                 env: dict[str, str] | None = None, sessions: list[tuple[str, int]] | None = None):
+                 sessions: list[tuple[str, int]], env: dict[str, str] | None = None):
     """The system's server(s), started; `sessions` gets (label, session) for each process tree it started
     (vLLM's, a disaggregated pair's two, LMCache's cache server, a pool's), for `bench.cpu`."""
-    sessions = [] if sessions is None else sessions
     from kvtier.bench.pools import MooncakePool
     from kvtier.bench.servers import (LMCACHE_PYTHON, VLLM_PYTHON, DisaggSystem, LmcacheServer, VllmServer,
                                       kvtier_transfer_config)

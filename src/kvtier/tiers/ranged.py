@@ -73,8 +73,7 @@ class RangedRead:
         self.pieces: list[tuple[int, int, Future]] = []  # (start, stop, its read) on the readers
         self.rest: list[tuple[int, int]] = []  # the pieces still to submit (`DiskTier.lease_layers`)
         self.failed = False
-        self._next = 0  # `wait`: the pieces before this one (in order, the tail aside) have landed
-        self._tail_landed = False
+        self._next = 0  # `wait`: the pieces before this one have landed
         self._open_device = open_device
         self._device: tuple[int, bool] | None = None  # (fd, O_DIRECT)
         self._device_lock = threading.Lock()
@@ -127,23 +126,15 @@ class RangedRead:
         (those read before the pieces were submitted — the head, the table — are in already). A piece that
         raised (an I/O error, or any other: a leaf's failure is this block's, never the load's) fails the
         read: the block is a miss from there."""
-        pieces = self.pieces  # the tail (the layer table) first, then the others in file order
-        if not self._tail_landed and not self.failed:
-            for _, end, future in pieces:
-                if end == self.size:
-                    self._landed(future)
-            self._tail_landed = True
+        pieces = self.pieces  # in `plan_pieces`' order: the tail (the layer table) first, then file order
         while not self.failed and self._next < len(pieces) and (pieces[self._next][0] < stop
                                                                 or pieces[self._next][1] == self.size):
-            self._landed(pieces[self._next][2])  # once each (the tail again: done, one look)
-            self._next += 1  # a layer at a time: not every piece again at every later layer
+            try:
+                pieces[self._next][2].result()
+            except Exception:  # noqa: BLE001 - counted by the executor; the reader recomputes the block
+                self.failed = True
+            self._next += 1  # each piece waited for once, not again at every later layer
         return not self.failed
-
-    def _landed(self, future: Future) -> None:
-        try:
-            future.result()
-        except Exception:  # noqa: BLE001 - counted by the executor; the reader recomputes the block
-            self.failed = True
 
     def close(self) -> None:
         """Cancel the pieces not started, wait for the running ones (the buffer is then free), close the file."""

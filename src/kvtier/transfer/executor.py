@@ -306,8 +306,7 @@ class Writes:
     """The writes one owner (a manager's write-back) queues on the process's writes lane (`TransferExecutor.write`):
     at most `max_queued` of them waiting to start (its share of the lane: one more is dropped), each counted until
     it ran (`join` waits for this owner's, and so for every write queued before them, not for those after), and
-    the blocks of those
-    dropped (`num_dropped`; the executor's counts every owner's).
+    the blocks of those dropped (`num_dropped`; the executor's counts every owner's).
     `executor` None: the process's at each write (a manager made before a fork writes on the child's)."""
 
     def __init__(self, max_queued: int, executor: TransferExecutor | None = None) -> None:
