@@ -5,13 +5,40 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
+from collections import deque
+
+
+_GIVEN: deque[int] = deque(maxlen=1024)  # the ports this process handed out last, oldest first
+_LOCK = threading.Lock()
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports, none of them one this process handed out in its last 1,024. The kernel may
+    hand a just-closed port out again, and a caller often binds its ports later, all at once: a Mooncake
+    master given one port for metadata and metrics exited at start (in CI). So every socket is held until
+    `n` fresh ports are bound, and ports handed out before are skipped."""
+    socks: list[socket.socket] = []
+    fresh: list[int] = []
+    with _LOCK:
+        try:
+            while len(fresh) < n:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+                if port not in _GIVEN:
+                    fresh.append(port)
+        finally:
+            for s in socks:
+                s.close()
+        _GIVEN.extend(fresh)
+    return fresh
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 20.0) -> None:

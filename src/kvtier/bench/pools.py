@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.ports import free_port, wait_port
+from kvtier.ports import free_port, free_ports, wait_port
 
 BIN = Path(sys.executable).parent
 
@@ -21,6 +21,10 @@ def _binary(name: str) -> str:
         raise FileNotFoundError(f"{name} not found: `make setup` installs it (Debian redis-server / "
                                 "mooncake-transfer-engine-non-cuda)")
     return path
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
 
 class Service:
@@ -38,7 +42,10 @@ class Service:
                 with open(self.log_dir / f"{Path(argv[0]).name}-{i}.log", "ab") as log:
                     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
                 self.procs.append(proc)
-                wait_port(port, proc)
+                try:
+                    wait_port(port, proc)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{e}; the end of its log:\n{_tail(log.name)}") from e
         except BaseException:
             self.kill()
             raise
@@ -60,7 +67,7 @@ class Service:
 class MooncakePool(Service):
     def __init__(self, log_dir: Path, segment: str = "512MB", buffer: str = "64MiB") -> None:
         self.buffer = buffer
-        rpc, http, metrics, client = free_port(), free_port(), free_port(), free_port()
+        rpc, http, metrics, client = free_ports(4)
         self.master_addr = f"127.0.0.1:{rpc}"
         self.metadata_url = f"http://127.0.0.1:{http}/metadata"
         master = [_binary("mooncake_master"), "--enable_http_metadata_server=true",

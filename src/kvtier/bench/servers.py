@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.ports import free_port, wait_port
+from kvtier.ports import free_port, free_ports, wait_port
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("KVTIER_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -43,7 +43,7 @@ class LmcacheServer:
     through CUDA IPC), so the server offers that mode."""
 
     def __init__(self, log_path: Path, *, l1_gib: int = 2, chunk_tokens: int = 64) -> None:
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port = free_ports(2)
         self.log_path = log_path
         self.shm_name = f"lmcache_l1_pool_kvtier_{self.port}"
         self.argv = [str(LMCACHE_PYTHON), "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1",
