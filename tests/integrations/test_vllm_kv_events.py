@@ -22,6 +22,7 @@ from kvtier import models
 from kvtier.blocks import KeySpace, KVLayout, block_keys
 from kvtier.integrations.vllm.config import model_fingerprint
 from kvtier.bench.dynamo import DYNAMO_PYTHON
+from kvtier.route.event_relay import EventRelay
 from kvtier.testing.dynamo import DynamoIndexer, KvEventTap
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,6 +40,7 @@ pytestmark = [
 BLOCK_FILE_BYTES = 30 * 2 * 3 * 64 * BLOCK_TOKENS * 4 + 64  # SmolLM2 fp32, one block of all layers + its header
 SHM_BLOCKS, SSD_BLOCKS, DEVICE_BLOCKS = 14, 56, 32  # the SSD holds four prompts, the device two and a half
 WORKER_ID, MODEL = 1, "smollm2"
+ROUTED_ID = 2  # the same replica again, its stream read through `kvtier route`'s relay (`route/event_relay.py`)
 PROMPT_CHARS = 1400  # ~400 tokens: 12 full blocks
 
 
@@ -49,21 +51,26 @@ def prompts(shakespeare_text) -> list[str]:
 
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory, smollm2):
-    """vLLM + kvtier publishing KV events on an ipc socket; Dynamo's indexer and a tap subscribed to it."""
+    """vLLM + kvtier publishing KV events on an ipc socket; Dynamo's indexer and a tap subscribed to it, and the
+    indexer to the same stream through kvtier route's relay (as worker `ROUTED_ID`)."""
     root = tmp_path_factory.mktemp("kvevents")
     shm_dir = Path("/dev/shm") / f"kvtier-events-{uuid.uuid4().hex[:8]}"
     endpoint, replay = f"ipc://{root}/events.sock", f"ipc://{root}/replay.sock"
     tiers = [f"shm:{shm_dir}:{SHM_BLOCKS * BLOCK_FILE_BYTES + BLOCK_FILE_BYTES // 2}",
              f"ssd:{root / 'ssd'}:{SSD_BLOCKS * BLOCK_FILE_BYTES + BLOCK_FILE_BYTES // 2}"]
+    relay = EventRelay([endpoint], root / "relay").start()
     try:
         with (DynamoIndexer(root / "indexer.log") as indexer,
               KvEventTap(endpoint, root / "events.jsonl", python=VLLM_PYTHON) as tap,
               start_vllm(root / "vllm.log", tiers, num_device_blocks=DEVICE_BLOCKS,
                          extra_args=kv_events_args(endpoint, replay)) as server):
             indexer.register(WORKER_ID, endpoint, model_name=MODEL, block_size=BLOCK_TOKENS, replay_endpoint=replay)
+            indexer.register(ROUTED_ID, relay.endpoints[0], model_name=MODEL, block_size=BLOCK_TOKENS,
+                             replay_endpoint=relay.replay_endpoints[0])
             time.sleep(1.0)  # the subscriptions settle before the first event
             yield {"server": server, "indexer": indexer, "tap": tap, "ssd": root / "ssd", "shm": shm_dir}
     finally:
+        relay.close()
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
@@ -226,13 +233,23 @@ def test_two_tenants_blocks_are_apart_in_the_events_and_the_index(replica, promp
     events = replica["tap"].events()
     assert chain_a == _chain(events, ids, "GPU", "tenant-a") and chain_b == _chain(events, ids, "GPU", "tenant-b")
     replica["tenants"] = (chain_a, chain_b)
+    replica["tenant_prompt"] = ids
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo 1.6.1 keys a block under a tenant by the event's `cache_salt` field, "
-                                       "which vLLM's own device events do not carry (the salt is in extra_keys): "
-                                       "two tenants' identical blocks become one entry (kvtier serve's events carry "
-                                       "it)")
 def test_dynamo_keeps_two_tenants_blocks_apart(replica):
+    """Dynamo 1.6.1 keys a block under its tenant by the event's `cache_salt` field and ignores the salt in
+    `extra_keys`. kvtier's tier events carry the field: each tenant's SSD blocks are entries of their own and
+    match under that tenant's salt. vLLM's own device events do not: read straight from vLLM, a tenant's device
+    blocks match nothing under its salt; read through kvtier route's relay, they do."""
     chain_a, chain_b = replica["tenants"]
     disk = _tiers_holding(replica, chain_a + chain_b).get("disk", set())
     assert {chain_a[0], chain_b[0]} <= disk  # each tenant's first block under its own hash
+    ids = replica["tenant_prompt"]
+    for salt in ("tenant-a", "tenant-b"):
+        routed = wait_for(lambda: replica["indexer"].query(ids, model_name=MODEL, cache_salt=salt),
+                          lambda q: q.get(str(ROUTED_ID), {}).get("gpu") == _full(ids),
+                          f"{salt}'s device blocks under its salt, through the relay")
+        direct = routed.get(str(WORKER_ID), {})
+        assert direct.get("disk") == _full(ids)  # kvtier's own tier events: salted at the source
+        assert direct.get("gpu", 0) == 0  # vLLM's device events: no cache_salt field
+    assert replica["indexer"].query(ids + [0], model_name=MODEL, cache_salt="tenant-c") == {}

@@ -1,6 +1,6 @@
 """A block the Redis pool evicts leaves the router's index for every replica when Redis evicts it, not at
 some replica's next miss: the pool tier hears Redis's keyspace notification (`tiers/redis_removals.py`), its
-replica's event stream announces the block `BlockRemoved` (`SHARED`), and the relay (`route/pool_events.py`)
+replica's event stream announces the block `BlockRemoved` (`SHARED`), and the relay (`route/event_relay.py`)
 passes that to every replica on the pool.
 
 Real redis-server on 127.0.0.1 (a small `maxmemory`, `allkeys-lru`), real ZMQ streams in vLLM's wire format,
@@ -27,7 +27,7 @@ from kvtier.events import wire
 from kvtier.events.publisher import KvEventPublisher, KvEventsConfig
 from kvtier.events.tracker import BlockInfo, KvEventTracker
 from kvtier.ports import free_port
-from kvtier.route.pool_events import PoolEventRelay
+from kvtier.route.event_relay import EventRelay
 from kvtier.route.replicas import Replica
 from kvtier.route.selectors import DynamoSelector
 from kvtier.server.kv_events import to_wire
@@ -136,7 +136,7 @@ def pool(tmp_path):
 @pytest.fixture
 def replicas(pool, tmp_path):
     a, b = (PoolReplica(pool.spec, f"ipc://{tmp_path}/{name}.sock") for name in "ab")
-    relay = PoolEventRelay([a.endpoint, b.endpoint], tmp_path / "relay").start()
+    relay = EventRelay([a.endpoint, b.endpoint], tmp_path / "relay", shared_pool=True).start()
     try:
         for replica in (a, b):
             assert replica.tier._removals.subscribed.wait(DEADLINE_S)

@@ -45,7 +45,7 @@ class Router:
         self.metrics = RouteMetrics([r.name for r in replicas.replicas])
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self.selector_down = False
-        self.pool_relay = None  # `pool_events.PoolEventRelay`: replicas on one shared pool; closed with the router
+        self.event_relay = None  # `event_relay.EventRelay`: the replicas' KV events to the selector; closed with it
 
     async def start(self) -> None:
         await self.selector.start()
@@ -53,8 +53,8 @@ class Router:
     async def close(self) -> None:
         await self.client.aclose()
         await self.selector.close()
-        if self.pool_relay is not None:
-            self.pool_relay.close()
+        if self.event_relay is not None:
+            self.event_relay.close()
 
     async def choose(self, token_ids: list[int] | None, candidates: list[Replica], *,
                      cache_salt: str | None = None) -> tuple[Choice, str]:

@@ -11,8 +11,9 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
                  selector_url: str | None = None, kv_events: list[str] | None = None,
                  kv_events_replay: list[str] | None = None, model_name: str = "smollm2", block_size: int = 32,
                  shared_pool: bool = False):
-    """A `Router` from the command's settings (also used by tests). `shared_pool`: the replicas share one
-    Mooncake / Redis pool; the selector reads their KV events through `pool_events.PoolEventRelay`."""
+    """A `Router` from the command's settings (also used by tests). The selector reads the replicas' KV events
+    (`kv_events`) through `event_relay.EventRelay`: each block with its tenant, and with `shared_pool` (the
+    replicas share one Mooncake / Redis pool) the others' pool blocks in each replica's stream."""
     from kvtier.route.app import Router
     from kvtier.route.prompts import load_tokenizer
     from kvtier.route.replicas import Replica, ReplicaSet
@@ -24,10 +25,10 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
     if kv_events_replay and len(kv_events_replay) != len(replica_urls):
         raise UserError("--kv-events-replay: one per --replica, in the same order")
     relay = None
-    if shared_pool and kv_events:
-        from kvtier.route.pool_events import PoolEventRelay
+    if kv_events:
+        from kvtier.route.event_relay import EventRelay
 
-        relay = PoolEventRelay(kv_events).start()
+        relay = EventRelay(kv_events, shared_pool=shared_pool).start()
         kv_events, kv_events_replay = relay.endpoints, relay.replay_endpoints  # the relay numbers its own streams
     replicas = [Replica(i + 1, url, kv_events[i] if kv_events else None,
                         kv_events_replay[i] if kv_events_replay else None) for i, url in enumerate(replica_urls)]
@@ -40,7 +41,7 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
         raise
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
     router = Router(ReplicaSet(replicas), selector, tokenizer=tokenizer)
-    router.pool_relay = relay
+    router.event_relay = relay
     return router
 
 

@@ -96,10 +96,14 @@ class DynamoIndexer:
         if status >= 300:
             raise RuntimeError(f"/register answered {status}: {text}")
 
-    def query(self, token_ids: list[int], *, model_name: str) -> dict[str, dict]:
+    def query(self, token_ids: list[int], *, model_name: str, cache_salt: str | None = None) -> dict[str, dict]:
         """Per replica (instance id as a string): matched tokens `gpu` (device), `cpu` (device + host),
-        `disk` (device + host + disk + shared), `longest_matched`. A replica that matches nothing is absent."""
-        status, text = self._request("POST", "/query", {"token_ids": token_ids, "model_name": model_name})
+        `disk` (device + host + disk + shared), `longest_matched`, under the tenant `cache_salt` (None: the
+        unsalted blocks). A replica that matches nothing is absent."""
+        body = {"token_ids": token_ids, "model_name": model_name}
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        status, text = self._request("POST", "/query", body)
         if status != 200:
             raise RuntimeError(f"/query answered {status}: {text}")
         return json.loads(text).get("instances", {})

@@ -9,6 +9,12 @@
   become `BlockStored` / `BlockRemoved` under vLLM's own block hash in `take_events()`, which vLLM
   publishes with its device events. The operator adds `--kv-events-config` and starts nothing else.
 
+One addition vLLM's own events do not carry: `cache_salt` on every block of a salted request (`SaltedBlockStored`,
+the field `kvtier serve`'s events carry, `events/wire.py`). NVIDIA Dynamo's indexer keys a block under its tenant
+by that field and ignores the salt in `extra_keys`; without it two tenants' identical prompts become one entry of
+its index. vLLM's own device events still lack it: `kvtier route` adds it on their way to the selector
+(`route/event_relay.py`).
+
 Tier writes land after the step that sent them: with nothing else running vLLM would not step again,
 and the last request's blocks would stay unannounced. `lingering()` (the connector's
 `has_pending_push_work`) keeps the engine stepping — empty steps — while saves were sent or tier events
@@ -28,6 +34,13 @@ from kvtier.events.tracker import BlockInfo, KvEventTracker, Stored
 from kvtier.integrations.vllm.tp_events import ShardedBlocks
 from kvtier.tiers.events import TierEvent
 from kvtier.tiers.manager import TierManager
+
+class SaltedBlockStored(BlockStored, tag="BlockStored"):
+    """vLLM's `BlockStored` (the same tag and fields: unsalted, the same map, `omit_defaults`) with the
+    request's `cache_salt` on each block, as Dynamo's indexer reads it."""
+
+    cache_salt: str | None = None
+
 
 QUIET_S = 0.5       # keep stepping this long after the last save sent or tier event seen
 MAX_LINGER_S = 30.0  # and never longer than this after the last save (a write that hangs)
@@ -138,14 +151,15 @@ def block_info(request, index: int, block_tokens: int) -> BlockInfo | None:
                      parent_hash=maybe_convert_block_hash(hashes[index - 1]) if index > 0 else None,
                      token_ids=tuple(request.all_token_ids[start:end]),
                      lora_id=lora.adapter_id if lora else None, lora_name=lora.name if lora else None,
-                     extra_keys=event_keys[0] if event_keys else None)
+                     extra_keys=event_keys[0] if event_keys else None, cache_salt=request.cache_salt or None)
 
 
 def to_vllm(record) -> KVCacheEvent:
     if isinstance(record, Stored):
         info = record.block
-        return BlockStored(block_hashes=[info.block_hash], parent_block_hash=info.parent_hash,
-                           token_ids=list(info.token_ids), block_size=len(info.token_ids), lora_id=info.lora_id,
-                           medium=record.medium, lora_name=info.lora_name,
-                           extra_keys=[info.extra_keys] if info.extra_keys is not None else None)
+        return SaltedBlockStored(block_hashes=[info.block_hash], parent_block_hash=info.parent_hash,
+                                 token_ids=list(info.token_ids), block_size=len(info.token_ids),
+                                 lora_id=info.lora_id, medium=record.medium, lora_name=info.lora_name,
+                                 extra_keys=[info.extra_keys] if info.extra_keys is not None else None,
+                                 cache_salt=info.cache_salt)
     return BlockRemoved(block_hashes=list(record.block_hashes), medium=record.medium)
