@@ -136,10 +136,10 @@ def test_a_step_larger_than_a_directory_still_reaches_the_larger_one(tmp_path):
     scheduler.manager.close()
 
 
-def test_a_block_written_to_a_directory_that_did_not_admit_it_is_deleted_there(tmp_path, monkeypatch):
+def test_a_block_written_to_a_directory_that_did_not_admit_it_is_deleted_there(tmp_path):
     """The worker writes a step's blocks through to every directory once any took them: shm (2 blocks)
-    did not take the third, so its file there is in no index; the scheduler sees it land and ships its delete."""
-    monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
+    did not take the third, so its file there is in no index; the scheduler ships its delete with the next
+    step (after the worker queued the write: `DiskStore.delete_many` removes one that lands later)."""
     tiers = [f"shm:{tmp_path / 'shm'}:{2 * BLOCK_BYTES}", f"ssd:{tmp_path / 'ssd'}:{8 * BLOCK_BYTES}"]
     scheduler = SchedulerSide(SPACE, build_manager(tiers, slot_bytes=BLOCK_BYTES, async_writes=False),
                               block_bytes=BLOCK_BYTES)
@@ -147,8 +147,7 @@ def test_a_block_written_to_a_directory_that_did_not_admit_it_is_deleted_there(t
     scheduler.after_alloc(req, [0, 1, 2, 3], 0)
     keys = scheduler.build_records({"r1": 3 * T + 1}, lambda _: [0, 1, 2, 3]).saves[0].keys
     shm = DiskStore(tmp_path / "shm", name="shm")
-    assert scheduler.build_records({}, lambda _: []).deletes == {}  # not written yet
-    shm.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # the worker's write-through lands
+    shm.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # the worker's write-through (queued that step)
     assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [keys[2]]}
     assert shm.delete_many([keys[2]]) == 1
     assert scheduler.build_records({}, lambda _: []).deletes == {}
@@ -170,7 +169,8 @@ def test_blocks_a_load_takes_from_below_are_admitted_into_the_directory_the_work
     scheduler.after_alloc(other, [8, 9, 10], 0)
     records = scheduler.build_records({"r0": 2 * T + 1}, lambda _: [8, 9, 10])
     other_keys = records.saves[0].keys
-    assert records.deletes == {"shm": [keys[1], keys[0]]}
+    # and r1's third block, written to shm unadmitted (the SSD took it): deleted a step after its write
+    assert records.deletes == {"shm": [keys[1], keys[0], keys[2]]}
     store = DiskStore(tmp_path / "ssd")
     store.put_many([(key, bytes(BLOCK_BYTES)) for key in keys])  # only the SSD holds them (shm dropped them)
     again = request("r2", list(range(3 * T + 1)))
@@ -179,6 +179,8 @@ def test_blocks_a_load_takes_from_below_are_admitted_into_the_directory_the_work
     # shm's index took the copies: the chain's first 2 (the third never evicts them), r0's blocks going tail first
     assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [other_keys[1], other_keys[0]]}
     assert [key in shm._lru for key in keys] == [True, True, False] and shm.used_bytes() == 2 * BLOCK_BYTES
+    # the third is promoted all the same: its delete follows the step of the load that copies it
+    assert scheduler.build_records({}, lambda _: []).deletes == {"shm": [keys[2]]}
     manager.close()
 
 

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tiers import DiskStore, DiskTier, disk
+from kvtier.transfer.executor import transfer_executor
 
 BLOCK_BYTES = 96  # tiny blocks: many files, much eviction
 
@@ -161,26 +163,69 @@ def test_an_owner_looks_again_at_a_bounded_number_of_handed_off_keys_per_call_in
     assert owner.take_deletes() == KEYS[:2] and owner.take_deletes() == [KEYS[2], KEYS[0]]
 
 
-def test_an_owner_hands_a_write_that_landed_after_its_delete_off_again(tmp_path, monkeypatch):
-    """A write queued before its key's eviction lands after the store's delete: the owner sees the file
-    (watched `SHIPPED_WATCH_SECONDS`) and hands it off again; a key admitted again is counted, not deleted."""
+def test_a_write_queued_before_its_delete_is_removed_when_it_lands_however_late(tmp_path, monkeypatch):
+    """vLLM's worker queues a save on the writes lane; the owner evicts the key meanwhile and the store's
+    delete finds nothing yet: it is done again behind the writes queued before it, so the file goes once it
+    lands, however late (no watch in the owner: a key whose file is gone is forgotten). A write queued
+    after a delete (the key admitted again) stays."""
     monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
     owner, store = DiskTier(tmp_path, 2 * BLOCK_BYTES), DiskStore(tmp_path)
     owner.hand_deletes_off()
     owner.admit(KEYS[:2], BLOCK_BYTES)
-    put(store, KEYS[0])  # K1's write is still queued
-    owner.admit([KEYS[2]], BLOCK_BYTES)
-    assert owner.take_deletes() == [KEYS[1]]
-    store.delete_many([KEYS[1]])  # nothing there yet
-    assert owner.take_deletes() == []  # gone: watched, not handed off
-    put(store, KEYS[1])  # the late write lands
-    assert owner.take_deletes() == [KEYS[1]] and store.delete_many([KEYS[1]]) == 1
-    owner.admit([KEYS[3]], BLOCK_BYTES)  # evicts K0 ...
-    assert owner.take_deletes() == [KEYS[0]]
-    owner.admit([KEYS[0]], BLOCK_BYTES)  # ... admitted again before the store deleted it: counted
-    assert owner.take_deletes() == [KEYS[2]] and store._path(KEYS[0]).exists()
-    monkeypatch.setattr(disk, "SHIPPED_WATCH_SECONDS", 0.0)
-    assert owner.take_deletes() == [] and owner._shipped == {}  # past the watch, nothing there: forgotten
+    assert owner.take_deletes() == []  # the step ends: its writes are queued
+    put(store, KEYS[0])
+    lane, gate = transfer_executor(), threading.Event()
+    try:
+        assert lane.write(lambda: gate.wait(10))  # a slow lane
+        assert lane.write(lambda: put(store, KEYS[1]))  # K1's write, queued before its eviction
+        owner.admit([KEYS[2]], BLOCK_BYTES)
+        assert owner.take_deletes() == [KEYS[1]]
+        assert store.delete_many([KEYS[1], KEYS[3]]) == 0  # nothing there yet
+        assert owner.take_deletes() == [] and owner._shipped == {}  # gone: forgotten
+        assert lane.write(lambda: put(store, KEYS[3]))  # K3 written again after its delete
+    finally:
+        gate.set()
+    lane.after_writes(lambda: None).result(timeout=10)  # every write queued so far has run
+    assert not store._path(KEYS[1]).exists() and store._path(KEYS[3]).exists()
+
+
+def test_a_write_running_when_its_delete_comes_is_removed_once_placed(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    placing, go = threading.Event(), threading.Event()
+    place = disk._place
+
+    def slow_place(tmp, path):
+        placing.set()
+        go.wait(10)
+        place(tmp, path)
+
+    monkeypatch.setattr(disk, "_place", slow_place)
+    try:
+        assert transfer_executor().write(lambda: put(store, KEYS[0]))
+        assert placing.wait(10)
+        assert store.delete_many([KEYS[0]]) == 0  # being written: not there yet
+    finally:
+        go.set()
+    transfer_executor().after_writes(lambda: None).result(timeout=10)  # the write has landed, and what followed
+    assert not store._path(KEYS[0]).exists()
+
+
+def test_a_block_written_unadmitted_or_evicted_as_it_was_admitted_is_handed_off_a_step_later(tmp_path):
+    """The other process queues the writes of a step with that step: what a step sent down, a block the owner
+    did not admit (vLLM writes a block through to every directory once one took it) and a load's promotion.
+    A delete of such a block goes out with the next step, behind its write; a key indexed meanwhile is kept."""
+    owner = DiskTier(tmp_path, 2 * BLOCK_BYTES)
+    owner.hand_deletes_off()
+    assert owner.admit(KEYS[:3], BLOCK_BYTES) == [True, True, False]  # a chain keeps its first blocks
+    owner.hand_off_next([KEYS[2]])  # written all the same
+    assert owner.take_deletes() == [] and owner.take_deletes() == [KEYS[2]]
+    owner.admit([KEYS[3]], BLOCK_BYTES)  # a promotion, admitted at its allocation (evicts K1) ...
+    assert owner.admit(KEYS[4:6], BLOCK_BYTES) == [True, True]  # ... and evicted by the step's saves
+    assert owner.take_deletes() == [KEYS[1], KEYS[0]] and owner.take_deletes() == [KEYS[3]]
+    owner.hand_off_next([KEYS[6]])
+    assert owner.take_deletes() == []
+    assert owner.admit([KEYS[6]], BLOCK_BYTES) == [True]  # indexed since: counted, not deleted
+    assert owner.take_deletes() == [KEYS[5]]
 
 
 def test_a_lookup_asks_the_file_not_a_stale_index(tmp_path):
@@ -440,3 +485,4 @@ def test_a_platform_without_ofd_locks_pins_in_process(tmp_path, monkeypatch, cap
     tier.unpin([KEYS[0]])
     assert "refuses byte-range locks" in caplog.text
     tier.close()
+

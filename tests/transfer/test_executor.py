@@ -257,6 +257,27 @@ def test_a_full_writes_lane_drops_the_write_and_counts_its_blocks_without_waitin
         executor.close()
 
 
+def test_a_task_after_the_writes_is_queued_past_a_full_lane_and_runs_after_them():
+    """`after_writes` (a directory's second delete): never dropped, never waits, runs behind every write
+    queued before it."""
+    executor = TransferExecutor(workers=1, max_queued_writes=2)
+    release = _held_write(executor)
+    try:
+        ran: list[int] = []
+        assert executor.write(lambda: ran.append(1)) and executor.write(lambda: ran.append(2))
+        futures = []
+        submitter = threading.Thread(target=lambda: futures.append(executor.after_writes(ran.append, 3)), daemon=True)
+        submitter.start()
+        submitter.join(DEADLOCK_S)
+        assert len(futures) == 1 and executor.num_dropped == 0 and executor.num_waits == 0
+        release.set()
+        futures[0].result(timeout=DEADLOCK_S)
+        assert ran == [1, 2, 3]
+    finally:
+        release.set()
+        executor.close()
+
+
 def test_a_raising_write_is_logged_and_the_lane_goes_on(executor, caplog):
     def fails():
         raise OSError("the pool went away")

@@ -40,9 +40,11 @@ is writing or has pinned for a load:
   evicting index (`leftover_bytes`), tried again at later eviction passes (`LEFTOVERS_PER_PASS` a pass, the
   oldest first) and at `close`, until it goes or an index takes it in again (a lookup's adoption, a write
   of the same key); an owner that hands its deletes off (`hand_deletes_off`) looks again at what it handed
-  off, and hands off again a file still there
-  a while later (a delete refused for another process's pin, a write queued before the eviction that
-  landed after the delete: `take_deletes`);
+  off, and hands off again a file still there a while later (a delete refused for another process's pin:
+  `take_deletes`); the process that deletes (`DiskStore.delete_many`) deletes again, behind every write it
+  queued before the delete, a file that was not there yet, so a write that lands after its key's eviction,
+  however late, leaves nothing (an index's own writes cannot: the key is indexed, in flux, before its file
+  is written, and never a victim meanwhile);
 - a lookup (`contains_many`) checks that an indexed file is still there: another process's eviction
   or a write still to land is a miss, not a stale hit; a reader that loses a race anyway gets a
   missing file (a miss) or fails the header checksum (`codecs.header.verify`): recomputed, never wrong.
@@ -84,8 +86,7 @@ _LOCKS_NAME = ".kvtier-locks"  # every process's pins and evictions of the direc
 LOCK_FILES = 16  # ... in this many files (an index opens each once): a lock call walks its file's locks
 _FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0: an OFD lock)
 TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not another process's live one
-SHIPPED_RECHECK_SECONDS = 1.0  # `take_deletes`: how often (and how late) a handed-off key's file is looked for
-SHIPPED_WATCH_SECONDS = 30.0  # ... for how long while it is gone (a write queued before its eviction)
+SHIPPED_RECHECK_SECONDS = 1.0  # `take_deletes`: how late a handed-off key's file is looked for again
 SHIPPED_CHECKS_PER_CALL = 64  # ... and how many at most per call (one step's bounded cost)
 LEFTOVERS_PER_PASS = 64  # leftovers tried again per eviction pass, oldest first (a pass's bounded cost)
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
@@ -286,8 +287,11 @@ class DiskTier:
         self._locks = _BlockLocks(self.directory)  # ... nor by any other process (a shared lock per pin)
         self._leftovers: dict[bytes, int] = {}  # evicted, but another process pinned the file: deleted later
         self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
-        self._shipped: dict[bytes, tuple[float, float]] = {}  # handed off: (when, last looked at), in that order
-        self._readers: Tasks | None = None  # this tier's reads on the process's transfer executor
+        self._admitted: set[bytes] = set()  # ... admitted since the last `take_deletes` (this step)
+        self._after_step: list[bytes] = []  # ... whose write the other process queues with this step,
+        self._next_call: list[bytes] = []  # ... and with the last one: handed off at the next call
+        self._shipped: dict[bytes, float] = {}  # handed off, still there: when last looked at, in that order
+        self._readers: Tasks | None = None  # this tier's reads (and late deletes) on the process's transfer executor
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
         self._leases = Leases()  # read buffers lent out, by key
@@ -474,7 +478,11 @@ class DiskTier:
         keys = [victim for victim, _ in victims]
         if self._deletes is not None:  # the process that deletes them announces them
             with self._index_lock:
-                self._deletes.extend(keys)
+                fresh = [key for key in keys if key in self._admitted]  # this step's: a write may be to come
+            to_come = {key for key in fresh if not os.path.exists(self._file(key))}
+            with self._index_lock:
+                self._deletes.extend(key for key in keys if key not in to_come)
+                self._after_step.extend(key for key in keys if key in to_come)  # with the next step
                 self._in_flux.difference_update(keys)
             self.stats.evictions += len(keys)
             return
@@ -521,55 +529,52 @@ class DiskTier:
             self._leftovers.clear()
 
     def take_deletes(self) -> list[bytes]:
-        """The keys evicted since the last call (after `hand_deletes_off`), LRU first, and again any key handed
-        off a while ago whose file is still there and that no index here counts: a delete the other side
-        could not do (another process pinned the file) or a write that landed after it (queued before the
-        eviction). A handed-off key is watched for `SHIPPED_WATCH_SECONDS`, and for as long as its file stays,
-        looked at every `SHIPPED_RECHECK_SECONDS` (the other side has had its step to delete it), at most
-        `SHIPPED_CHECKS_PER_CALL` a call, least recently looked at first: a bounded cost per step."""
+        """The keys evicted since the last call (after `hand_deletes_off`), LRU first — one admitted this step
+        whose file has not landed, and those said to be written here unadmitted (`hand_off_next`), at the next
+        call: the other process queues their writes with this step (a save, a promotion after a load), so their
+        delete goes with the next step, behind the writes — and again any key handed off a while ago
+        whose file is still there and that no index here counts (a delete the other side could not do: another
+        process pinned the file). A handed-off key is looked at `SHIPPED_RECHECK_SECONDS` later (the other side
+        has had its step to delete it), at most `SHIPPED_CHECKS_PER_CALL` a call, least recently looked at
+        first (a bounded cost per step), and forgotten once its file is gone: a write queued before the delete
+        that lands after it is the deleter's to remove (`DiskStore.delete_many`), not a watch's."""
         now = time.monotonic()
         with self._index_lock:
             deletes, self._deletes = self._deletes or [], []
+            deletes += [key for key in self._next_call if key not in self._lru and key not in self._in_flux]
+            self._next_call, self._after_step = self._after_step, []
+            self._admitted.clear()
             due = []
-            for key, (since, checked) in self._shipped.items():  # in the order they were last looked at
+            for key, checked in self._shipped.items():  # in the order they were last looked at
                 if len(due) == SHIPPED_CHECKS_PER_CALL or now - checked < SHIPPED_RECHECK_SECONDS:
                     break
-                due.append((key, since))
-            for key, _ in due:
+                due.append(key)
+            for key in due:
                 del self._shipped[key]
             self._watch(deletes, now)
         if not due:
             return deletes
-        still_there = {key for key, _ in due if os.path.exists(self._file(key))}
-        again = []
-        with self._index_lock:
-            for key, since in due:
-                if key in self._lru or key in self._in_flux or key in self._shipped:
-                    continue  # indexed again (counted), or handed off anew
-                if key in still_there:
-                    again.append(key)
-                elif now - since > SHIPPED_WATCH_SECONDS:
-                    continue  # gone, and no write of it can still be on its way
-                self._shipped[key] = (since, now)
+        still_there = [key for key in due if os.path.exists(self._file(key))]
+        with self._index_lock:  # not indexed again (counted) nor handed off anew meanwhile
+            again = [key for key in still_there
+                     if key not in self._lru and key not in self._in_flux and key not in self._shipped]
+            self._watch(again, now)
         return deletes + again
 
     def _watch(self, keys: list[bytes], now: float) -> None:
         """Watch `keys` as handed off now (under the index lock): at the end of the order, looked at later."""
         for key in keys:
             self._shipped.pop(key, None)
-            self._shipped[key] = (now, now)
+            self._shipped[key] = now
 
     def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
         """Index blocks another process is about to write here (their size as `size_bytes`, corrected
         by the first lookup that finds the file), evicting to make room as a write would; whether each
         is indexed (not: everything else is pinned or one of `keys`, which never evict each other: a chain
         longer than the tier keeps its first blocks). Refreshed tail first (`kvtier.lru`). Until their files
-        land, lookups find them missing. After `hand_deletes_off`, one not indexed is watched as a handed-off
-        delete (`take_deletes`): the other process may write it anyway (vLLM's worker writes a block through
-        to every directory when any took it), and a file that lands is handed off for deletion."""
+        land, lookups find them missing."""
         victims: list[tuple[bytes, int]] = []
         batch = set(keys)
-        now = time.monotonic()
         with self._index_lock:
             for key in keys:
                 if key not in self._lru and key not in self._in_flux:
@@ -577,9 +582,19 @@ class DiskTier:
             admitted = [key in self._lru for key in keys]
             self._lru.touch_many(keys)
             if self._deletes is not None:
-                self._watch([key for key, ok in zip(keys, admitted) if not ok], now)
+                self._admitted.update(keys)
         self._evict(victims)
         return admitted
+
+    def hand_off_next(self, keys: list[bytes]) -> None:
+        """After `hand_deletes_off`: `keys`, which `admit` refused this step, will be written here all the same
+        (vLLM's worker writes a block through to every directory once one took it, and promotes what it loaded
+        from below): handed off for deletion at the `take_deletes` after this step's, so the delete reaches the
+        other process behind the write it queues with this step (`DiskStore.delete_many` then removes the file
+        however late it lands). A key indexed meanwhile is kept."""
+        with self._index_lock:
+            if self._deletes is not None:
+                self._after_step += keys
 
     @staticmethod
     def _read(path: Path) -> bytes | None:
@@ -929,8 +944,41 @@ class DiskStore(DiskTier):
         return self._delete(key, self._remove)
 
     def delete_many(self, keys: list[bytes]) -> int:
-        """The files the owner's index evicted: how many went (one a load pinned stays)."""
-        return sum(self._delete(key, lambda _: self._remove_unpinned(key)) for key in keys)
+        """The files the owner's index evicted: how many went (one a load pinned stays). A key whose file is
+        not there, or is being written right now, may still land from a write this process queued before the
+        delete (a save queued before its key's eviction, however late it runs): it is deleted again on the
+        writes lane, behind every write queued so far (`after_writes`: never dropped), so no file lands after
+        its delete for good. A write queued after the delete (the key admitted again) is not touched."""
+        num_deleted, later = 0, []
+        for key in keys:
+            deleted = self._delete_evicted(key)
+            num_deleted += bool(deleted)
+            if deleted is None:
+                later.append(key)
+        if later:
+            self._reader_pool().after_writes(self._delete_late, later)
+        return num_deleted
+
+    def _delete_evicted(self, key: bytes) -> bool | None:
+        """True: removed; False: it stays (pinned); None: no file, or one being written (maybe still to land)."""
+        with self._index_lock:
+            if key in self._in_flux:
+                return None
+            self._in_flux.add(key)
+        try:
+            removed = self._remove_unpinned(key) if os.path.exists(self._file(key)) else None
+        finally:
+            with self._index_lock:
+                self._in_flux.discard(key)
+        if removed:
+            announce_removed(self, [key])
+        return removed
+
+    def _delete_late(self, keys: list[bytes]) -> None:
+        """`delete_many`'s second try, on the writes lane: what landed since goes (one pinned meanwhile stays:
+        the owner sees it and ships its delete again)."""
+        for key in keys:
+            self._delete_evicted(key)
 
     def _delete(self, key: bytes, remove) -> bool:
         with self._index_lock:

@@ -26,7 +26,8 @@ its owner's share, `Writes.max_queued`), it is dropped, `write` says False and i
 `num_dropped` — the compute path that saves never waits on a slow tier, a loader that submits does. Where the
 lanes are full is decided in one place, here: loads wait, writes drop. A write that raises is logged and
 counted in `num_failed`; the lane goes on. A write may submit leaves and wait for them (it is a coordinator),
-never another write.
+never another write. `after_writes(fn)` runs a task behind every write queued so far that is never dropped (it
+carries no bytes): a directory's second delete of a file a queued write may still land (`DiskStore.delete_many`).
 
 Where it lives: in `transfer/`, imported by the tiers below it (`tiers/disk.py`'s reads are its leaves,
 `tiers/writeback.py` writes on it), so it imports nothing of kvtier above the tiers (only `thread_names`: its
@@ -85,10 +86,11 @@ class _Lane:
     def owns_current_thread(self) -> bool:
         return getattr(_current, "lane", None) is self
 
-    def put(self, future: Future | None, fn, args, kwargs, *, wait: bool = True) -> bool:
-        """Queue the task; at the bound, wait for room (`wait`) or queue nothing and return False."""
+    def put(self, future: Future | None, fn, args, kwargs, *, wait: bool = True, bounded: bool = True) -> bool:
+        """Queue the task; at the bound, wait for room (`wait`) or queue nothing and return False. `bounded`
+        False: queued past the bound (a task that carries no bytes and must not be lost)."""
         with self._lock:
-            if len(self._tasks) >= self.max_queued and not self._closing:
+            if bounded and len(self._tasks) >= self.max_queued and not self._closing:
                 if not wait:
                     return False
                 self.num_waits += 1
@@ -246,6 +248,14 @@ class TransferExecutor(Executor):
             owner._dropped(blocks)
         return False
 
+    def after_writes(self, fn, /, *args, **kwargs) -> Future:
+        """Run `fn` on the writes thread after every write queued so far: never dropped (it carries no bytes;
+        queued past the bound), never waits. A directory's delete of a file that a write queued before it may
+        still land (`DiskStore.delete_many`)."""
+        future: Future = Future()
+        self._writes.put(future, fn, args, kwargs, bounded=False)
+        return future
+
     def tasks(self) -> "Tasks":
         """An executor view that counts what it submitted (`Tasks.join`)."""
         return Tasks(self)
@@ -276,6 +286,10 @@ class Tasks(Executor):
     def ahead(self, fn, /, *args, **kwargs) -> Future:
         """`TransferExecutor.ahead`, counted (a manager's read-ahead, waited for at its close)."""
         return self._counted(lambda executor: executor.ahead(fn, *args, **kwargs))
+
+    def after_writes(self, fn, /, *args, **kwargs) -> Future:
+        """`TransferExecutor.after_writes`, counted (a directory's late deletes, waited for at its close)."""
+        return self._counted(lambda executor: executor.after_writes(fn, *args, **kwargs))
 
     def _counted(self, send) -> Future:
         with self._cond:

@@ -52,7 +52,7 @@ class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     # the scheduler owns the shared directories' index: the files it evicted (tier name -> keys, every
-    # rank's), for the workers to delete (rank 0 does)
+    # rank's), for the workers to delete (each rank all of them, behind its own queued writes)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)
 
 
@@ -214,7 +214,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             assert isinstance(connector_metadata, KvtierMetadata)
             # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker)
-            deletes = connector_metadata.deletes if self._rank == 0 else {}  # files of every rank: one deletes
+            # files of every rank: each rank deletes them all (the first finds each one), so a file whose write a
+            # rank queued before the delete goes when it lands (`DiskStore.delete_many`, behind that rank's writes)
+            deletes = connector_metadata.deletes
             connector_metadata = KvtierMetadata(for_rank(connector_metadata.loads, self._rank, self._world_size),
                                                 for_rank(connector_metadata.saves, self._rank, self._world_size),
                                                 deletes)

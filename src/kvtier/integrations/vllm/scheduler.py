@@ -215,7 +215,8 @@ class SchedulerSide:
         below = [key for key, where in zip(keys, tiers) if where != top.name] if top is not None else []
         if below:
             try:
-                top.admit(self._rank_keys(below), self._block_bytes)
+                files = self._rank_keys(below)  # promoted all the same: one not admitted is deleted a step later
+                top.hand_off_next([key for key, ok in zip(files, top.admit(files, self._block_bytes)) if not ok])
             except Exception:  # noqa: BLE001 - bookkeeping: the copies are then outside the index
                 log.exception("kvtier: admitting %d promoted blocks into %s failed", len(below), top.name)
 
@@ -236,28 +237,37 @@ class SchedulerSide:
         took (one no index has room for — all of it pinned — is not written: a future miss), and the files
         that evicted (and lookups' adoptions) for the workers to delete. A block one directory could not
         keep but another did is written to both (the worker writes through to every tier): outside the
-        first one's index, which watches for the file and ships its delete once it lands (`DiskTier.admit`)
-        — a step that sends more blocks than a directory holds."""
+        first one's index, which ships its delete with the next step, after the worker queued the write
+        (`DiskTier.hand_off_next`) — a step that sends more blocks than a directory holds."""
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
         files = self._rank_keys(keys)  # files[i * world_size + rank] is rank's shard of keys[i]
         ws = self.world_size
         chain_files = [self._rank_keys(chain) for chain in chains] if files else []  # the same in every directory
         taken_by = [0] * len(keys)  # per block: in how many directories every rank's file was admitted
-        deletes = {}
+        admitted_in = {}
         for name, tier in self._directories.items():
             try:
-                admitted = tier.admit(files, self._block_bytes) if files else []
+                admitted_in[name] = tier.admit(files, self._block_bytes) if files else []
+            except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
+                log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
+                admitted_in[name] = [False] * len(files)
+            admitted = admitted_in[name]
+            every_rank = [all(admitted[i * ws:(i + 1) * ws]) for i in range(len(keys))] if admitted else []
+            taken_by = [n + ok for n, ok in zip(taken_by, every_rank)]
+        kept = [n > 0 for n in taken_by]
+        deletes = {}
+        for name, tier in self._directories.items():
+            try:  # written all the same where another directory took them: deleted a step later
+                tier.hand_off_next([file for j, (file, ok) in enumerate(zip(files, admitted_in[name]))
+                                    if not ok and kept[j // ws]])
                 for chain in chain_files:
                     tier.touch_many(chain)
                 evicted = tier.take_deletes()
-            except Exception:  # noqa: BLE001 - bookkeeping: the blocks are then just not indexed
-                log.exception("kvtier: admitting %d blocks into %s failed", len(files), name)
-                admitted, evicted = [False] * len(files), []
-            every_rank = [all(admitted[i * ws:(i + 1) * ws]) for i in range(len(keys))] if admitted else []
-            taken_by = [n + ok for n, ok in zip(taken_by, every_rank)]
+            except Exception:  # noqa: BLE001 - bookkeeping: a file left behind is space, never a wrong block
+                log.exception("kvtier: refreshing %d chains in %s failed", len(chain_files), name)
+                evicted = []
             if evicted:
                 deletes[name] = evicted
-        kept = [n > 0 for n in taken_by]
         if all(kept):
             return saves, deletes
         flags = iter(kept)
