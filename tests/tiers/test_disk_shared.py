@@ -10,6 +10,9 @@ import multiprocessing
 import os
 import random
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections import Counter
@@ -486,3 +489,27 @@ def test_a_platform_without_ofd_locks_pins_in_process(tmp_path, monkeypatch, cap
     assert "refuses byte-range locks" in caplog.text
     tier.close()
 
+
+def test_a_platform_without_fcntl_imports_the_tier_and_pins_in_process(tmp_path):
+    """Windows has no `fcntl` module: the tier imports, and the directory works as one without OFD locks (pins
+    hold in this index, evictions take no lock), said once."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["fcntl"] = None  # `import fcntl` raises ImportError, as where there is none
+        from kvtier.tiers import disk
+        assert disk.fcntl is None
+        keys = [bytes([i]) * 16 for i in range(1, 4)]
+        block = {key: key * 6 for key in keys}
+        tier = disk.DiskTier(sys.argv[1], 2 * 96)
+        tier.put_many([(key, block[key]) for key in keys[:2]])
+        assert tier.get_many(keys[:2]) == [block[key] for key in keys[:2]]
+        assert tier.pin_many([keys[0]]) == [True]
+        tier.put_many([(keys[2], block[keys[2]])])  # evicts K1, not the pinned K0
+        assert tier.contains_many(keys) == [True, False, True]
+        tier.unpin([keys[0]])
+        tier.close()
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "ok\n", run.stderr
+    assert run.stderr.count("refuses byte-range locks") == 1

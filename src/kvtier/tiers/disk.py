@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import itertools
 import logging
@@ -77,6 +76,11 @@ from kvtier.tiers.events import TierEvents, announce_removed, announce_stored
 from kvtier.tiers.health import TierHealth
 from kvtier.tiers.ranged import HEAD_BYTES, RangedRead, plan_pieces
 from kvtier.units import fmt_bytes
+
+try:
+    import fcntl
+except ImportError:  # Windows: no byte-range locks here, pins hold in this process (`_BlockLocks`)
+    fcntl = None
 
 log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
@@ -146,7 +150,7 @@ class _BlockLocks:
         self._pins: dict[tuple[int, int], int] = {}  # (lock file, byte) -> this index's pins on it
         self._closed = False
         self._unlockable = False  # a lock call failed for another reason than a held byte: no lock files now
-        if not hasattr(fcntl, "F_OFD_SETLK"):  # open file description locks are Linux's (macOS has none)
+        if not hasattr(fcntl, "F_OFD_SETLK"):  # Linux's open file description locks (macOS: none; Windows: no fcntl)
             self._give_up(OSError(errno.ENOSYS, "no open file description locks on this platform"))
 
     def _give_up(self, exc: OSError) -> None:
