@@ -270,15 +270,39 @@ class TransferExecutor(Executor):
         self._leaves.close()
 
 
-class Tasks(Executor):
+class _Open:
+    """What one owner handed to the executor and has not ended yet, counted under one condition: `join` waits
+    until none is open (`Tasks` and `Writes` count theirs)."""
+
+    def __init__(self) -> None:
+        self._forget()
+
+    def _forget(self) -> None:
+        self._num_open = 0
+        self._cond = threading.Condition()
+
+    def _opened(self) -> None:
+        with self._cond:
+            self._num_open += 1
+
+    def _ended(self, _future: Future | None = None) -> None:
+        with self._cond:
+            self._num_open -= 1
+            self._cond.notify_all()
+
+    def join(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._num_open == 0)
+
+
+class Tasks(_Open, Executor):
     """The tasks one owner submitted, counted until each ended: `join()` waits for them (a tier's or a manager's
     close).
     `executor` None: the process's at each submit (a tier made before a fork reads on the child's)."""
 
     def __init__(self, executor: TransferExecutor | None = None) -> None:
+        super().__init__()
         self.executor = executor
-        self._num_open = 0
-        self._cond = threading.Condition()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         return self._counted(lambda executor: executor.submit(fn, *args, **kwargs))
@@ -292,31 +316,21 @@ class Tasks(Executor):
         return self._counted(lambda executor: executor.after_writes(fn, *args, **kwargs))
 
     def _counted(self, send) -> Future:
-        with self._cond:
-            self._num_open += 1
+        self._opened()
         try:
             future = send(self.executor or transfer_executor())
         except BaseException:
-            self._ended(None)
+            self._ended()
             raise
         future.add_done_callback(self._ended)
         return future
-
-    def _ended(self, _future) -> None:
-        with self._cond:
-            self._num_open -= 1
-            self._cond.notify_all()
-
-    def join(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._num_open == 0)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if wait:
             self.join()
 
 
-class Writes:
+class Writes(_Open):
     """The writes one owner (a manager's write-back) queues on the process's writes lane (`TransferExecutor.write`):
     at most `max_queued` of them waiting to start (its share of the lane: one more is dropped), each counted until
     it ran (`join` waits for this owner's, and so for every write queued before them, not for those after), and
@@ -326,17 +340,16 @@ class Writes:
     def __init__(self, max_queued: int, executor: TransferExecutor | None = None) -> None:
         if max_queued < 1:
             raise ValueError(f"a writer needs room for a write (got {max_queued})")
+        super().__init__()
         self.max_queued = max_queued
         self.executor = executor
         self.num_dropped = 0
-        self._forget()
         _all_writes.add(self)
         (executor or transfer_executor()).start_writes()  # here, where the owner is made (`start_writes`)
 
     def _forget(self) -> None:
-        self._num_queued = 0  # waiting to start
-        self._num_open = 0    # waiting or running
-        self._cond = threading.Condition()
+        super()._forget()
+        self._num_queued = 0  # waiting to start (open: waiting or running)
 
     def write(self, fn: Callable[[], None], /, *, blocks: int = 0) -> bool:
         """`TransferExecutor.write`, counted: False where it was dropped."""
@@ -358,8 +371,7 @@ class Writes:
         """Until every write queued so far has run (on the writes lane itself: it would wait for itself)."""
         if on_writes_lane():
             raise RuntimeError("a write cannot wait for the writes queued behind it")
-        with self._cond:
-            self._cond.wait_for(lambda: self._num_open == 0)
+        super().join()
 
     def _admit(self) -> bool:
         with self._cond:
@@ -383,11 +395,6 @@ class Writes:
         with self._cond:
             self._num_queued -= 1
         self._ended()
-
-    def _ended(self) -> None:
-        with self._cond:
-            self._num_open -= 1
-            self._cond.notify_all()
 
     def _dropped(self, blocks: int) -> None:
         with self._cond:
