@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvtier.thread_names import name_os_thread, os_thread_name
+from kvtier.thread_names import name_os_thread, named_thread, os_thread_name
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc are Linux's")
 
@@ -32,3 +32,12 @@ def test_a_thread_takes_its_python_name_at_the_os_level_cut_to_15_bytes():
     assert seen["after"] == "kvtier-load_0" and seen["long"] == "kvtier-a-very-l"
     assert seen["cut"] == "kvtier-loadX\u00e9"  # a character cut in two is left out
     assert os_thread_name() != "kvtier-load_0"  # the caller's own name is untouched
+
+
+def test_named_thread_runs_its_target_under_its_name_at_the_os_level():
+    seen = []
+    thread = named_thread(lambda: seen.append(os_thread_name()), "kvtier-retry")
+    assert thread.daemon and thread.name == "kvtier-retry"
+    thread.start()
+    thread.join()
+    assert seen == ["kvtier-retry"]

@@ -34,3 +34,12 @@ def os_thread_name() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def named_thread(target, name: str, *, daemon: bool = True) -> threading.Thread:
+    """A `threading.Thread` running `target` under `name`, in Python and at the OS level (not started)."""
+    def run() -> None:
+        name_os_thread(name)
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=daemon)

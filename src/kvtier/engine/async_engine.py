@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from kvtier import openmp
 from kvtier.engine.engine import LLMEngine, RequestOutput
 from kvtier.engine.sequence import SamplingParams
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class AsyncEngine:
         into sleeping between the forward's parallel regions (`kvtier.openmp`)."""
         if self._thread is None:
             openmp.release_team()
-            self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+            self._thread = named_thread(self._loop, "kvtier-engine")
             self._thread.start()
 
     def shutdown(self) -> None:

@@ -42,6 +42,7 @@ from kvtier.tiers.manager import PrefixMatch, TierManager
 from kvtier.offload.pool import HostBlockPool, PinnedInHost
 from kvtier.transfer import BlockMover, KeptBlocks
 from kvtier.transfer.copies import CopyGroup
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class TierIO:
         self._closed = False
         self._thread: threading.Thread | None = None
         if not synchronous:
-            self._thread = threading.Thread(target=self._work, name="kvtier-transfer", daemon=True)
+            self._thread = named_thread(self._work, "kvtier-transfer")
             self._thread.start()
 
     @property

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.events.wire import encode_batch
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class KvEventPublisher:
         self._buffer = ReplayBuffer(config.buffer_steps, self._topic)
         self.num_batches = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread = named_thread(self._run, "kvtier-kv-events")
         self._thread.start()
 
     @staticmethod

@@ -47,6 +47,7 @@ import msgpack
 import zmq
 
 from kvtier.events.publisher import ReplayBuffer
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger("kvtier.route")
 
@@ -132,7 +133,7 @@ class EventRelay:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvtier-route-events", daemon=True)
+        self._thread = named_thread(self._run, "kvtier-route-events")
 
     def start(self) -> EventRelay:
         self._thread.start()

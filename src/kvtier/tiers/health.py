@@ -19,6 +19,7 @@ import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,7 @@ class HealthProber:
         self._wake = threading.Event()  # set by an outage (TierHealth.watch) and by close()
         for tier in tiers:
             tier.health.watch(self._wake)
-        self._thread = threading.Thread(target=self._loop, name="kvtier-retry", daemon=True)
+        self._thread = named_thread(self._loop, "kvtier-retry")
         self._thread.start()
 
     def _loop(self) -> None:

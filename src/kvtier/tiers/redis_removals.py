@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable
 
 import redis as redis_client
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class RedisRemovals:
     def start(self, on_removed: Callable[[list[str]], None]) -> None:
         assert self._thread is None, "started twice"
         self._on_removed = on_removed
-        self._thread = threading.Thread(target=self._run, name="kvtier-redis-removals", daemon=True)
+        self._thread = named_thread(self._run, "kvtier-redis-rm")
         self._thread.start()
 
     def close(self) -> None:
