@@ -83,7 +83,7 @@ def test_an_eviction_pass_tries_a_bounded_number_of_leftovers_oldest_first_and_c
         put(writer, key)
         assert loader.pin_many([key]) == [True]
     assert writer.leftover_bytes() == 7 * BLOCK_BYTES
-    order = list(writer._leftovers)  # oldest first
+    order = list(writer._recheck)  # oldest first
     pinned = order[1]
     loader.unpin([key for key in keys[:7] if key != pinned])
     tried = []
@@ -184,7 +184,7 @@ def test_a_write_queued_before_its_delete_is_removed_when_it_lands_however_late(
         owner.admit([KEYS[2]], BLOCK_BYTES)
         assert owner.take_deletes() == [KEYS[1]]
         assert store.delete_many([KEYS[1], KEYS[3]]) == 0  # nothing there yet
-        assert owner.take_deletes() == [] and owner._shipped == {}  # gone: forgotten
+        assert owner.take_deletes() == [] and owner._recheck == {}  # gone: forgotten
         assert lane.write(lambda: put(store, KEYS[3]))  # K3 written again after its delete
     finally:
         gate.set()

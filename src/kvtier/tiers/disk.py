@@ -41,7 +41,7 @@ is writing or has pinned for a load:
   oldest first) and at `close`, until it goes or an index takes it in again (a lookup's adoption, a write
   of the same key); an owner that hands its deletes off (`hand_deletes_off`) looks again at what it handed
   off, and hands off again a file still there a while later (a delete refused for another process's pin:
-  `take_deletes`); the process that deletes (`DiskStore.delete_many`) deletes again, behind every write it
+  `take_deletes`) — one retry list for both, least recently tried first; the process that deletes (`DiskStore.delete_many`) deletes again, behind every write it
   queued before the delete, a file that was not there yet, so a write that lands after its key's eviction,
   however late, leaves nothing (an index's own writes cannot: the key is indexed, in flux, before its file
   is written, and never a victim meanwhile);
@@ -57,7 +57,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import itertools
 import logging
 import mmap
 import os
@@ -289,12 +288,13 @@ class DiskTier:
         self._in_flux: set[bytes] = set()
         self._pins: dict[bytes, int] = {}  # blocks a load will read (`pin_many`): never evicted meanwhile
         self._locks = _BlockLocks(self.directory)  # ... nor by any other process (a shared lock per pin)
-        self._leftovers: dict[bytes, int] = {}  # evicted, but another process pinned the file: deleted later
+        # evicted, its file maybe still there (another process pinned it; or handed off, the deleter's to do):
+        # (size, when last tried; handed off: 0 bytes), looked at again later, least recently tried first
+        self._recheck: dict[bytes, tuple[int, float]] = {}
         self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
         self._admitted: set[bytes] = set()  # ... admitted since the last `take_deletes` (this step)
         self._after_step: list[bytes] = []  # ... whose write the other process queues with this step,
         self._next_call: list[bytes] = []  # ... and with the last one: handed off at the next call
-        self._shipped: dict[bytes, float] = {}  # handed off, still there: when last looked at, in that order
         self._readers: Tasks | None = None  # this tier's reads (and late deletes) on the process's transfer executor
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
@@ -355,7 +355,7 @@ class DiskTier:
             self._max_block_bytes = max(self._max_block_bytes, size)
             for victim, victim_size in self._lru.insert(key, size) or []:  # more than the configured size
                 if not self._remove_unpinned(victim):
-                    self._leftovers[victim] = victim_size
+                    self._recheck_later([(victim, victim_size)], time.monotonic())
 
     def _remove(self, path: Path) -> None:
         try:
@@ -471,7 +471,7 @@ class DiskTier:
         `_evict` removed their files."""
         victims = self._lru.insert(key, size, pinned=self._in_flux.union(self._pins, batch))
         self._in_flux.update(victim for victim, _ in victims or [])
-        self._leftovers.pop(key, None)  # counted again: not ours to delete later
+        self._recheck.pop(key, None)  # counted again: not ours to delete later
         return victims
 
     def _evict(self, victims: list[tuple[bytes, int]], *, every_leftover: bool = False) -> None:
@@ -490,7 +490,10 @@ class DiskTier:
                 self._in_flux.difference_update(keys)
             self.stats.evictions += len(keys)
             return
-        victims = victims + self._take_leftovers(None if every_leftover else LEFTOVERS_PER_PASS)
+        with self._index_lock:  # leftovers tried again, in flux meanwhile as victims are
+            retried = self._take_rechecks(None if every_leftover else LEFTOVERS_PER_PASS)
+            self._in_flux.update(key for key, _ in retried)
+        victims = victims + retried
         removed = []
         try:
             for key, size in victims:
@@ -498,30 +501,40 @@ class DiskTier:
                     removed.append(key)
                 else:
                     with self._index_lock:
-                        self._leftovers[key] = size
+                        self._recheck_later([(key, size)], time.monotonic())
         finally:  # an unexpected error leaves no key in flux for good (neither held nor adoptable)
             self.stats.evictions += len(removed)
             announce_removed(self, removed)
             with self._index_lock:
                 self._in_flux.difference_update(key for key, _ in victims)
 
-    def _take_leftovers(self, limit: int | None) -> list[tuple[bytes, int]]:
-        """At most `limit` leftovers (None: all) to try again now, the oldest first (one still pinned goes
-        back at the end), in flux meanwhile, as victims are."""
-        with self._index_lock:
-            if not self._leftovers:
-                return []
-            ready = list(itertools.islice(((key, size) for key, size in self._leftovers.items()
-                                           if key not in self._lru and key not in self._in_flux), limit))
-            for key, _ in ready:
-                del self._leftovers[key]
-            self._in_flux.update(key for key, _ in ready)
-        return ready
+    def _recheck_later(self, victims: list[tuple[bytes, int]], now: float) -> None:
+        """Look at these evicted blocks' files again later, after every other (under the index lock)."""
+        for key, size in victims:
+            self._recheck.pop(key, None)
+            self._recheck[key] = (size, now)
+
+    def _take_rechecks(self, limit: int | None, wait_seconds: float = 0.0) -> list[tuple[bytes, int]]:
+        """At most `limit` (None: all) evicted blocks whose files to look at again now, least recently tried
+        first, each last tried `wait_seconds` ago or more; taken off the list (one in flux stays on it). Under
+        the index lock. The one retry list of both ways to evict: an eviction pass's leftovers, a hand-off's
+        second look (`take_deletes`)."""
+        now = time.monotonic()
+        due = []
+        for key, (size, tried) in self._recheck.items():
+            if len(due) == limit or now - tried < wait_seconds:
+                break
+            if key not in self._in_flux:
+                due.append((key, size))
+        for key, _ in due:
+            del self._recheck[key]
+        return due
 
     def leftover_bytes(self) -> int:
-        """Evicted blocks whose files are still on disk, pinned by another process: deleted at a later pass."""
+        """Evicted blocks whose files are still on disk, pinned by another process: deleted at a later pass
+        (after `hand_deletes_off`: none, the deleter's)."""
         with self._index_lock:
-            return sum(self._leftovers.values())
+            return sum(size for size, _ in self._recheck.values())
 
     def hand_deletes_off(self) -> None:
         """From now on this index decides evictions and another process executes them: evicted keys
@@ -529,8 +542,8 @@ class DiskTier:
         its workers delete what the step's metadata tells them). Leftovers of the start-up scan go with
         the first ones."""
         with self._index_lock:
-            self._deletes = list(self._leftovers)
-            self._leftovers.clear()
+            self._deletes = list(self._recheck)
+            self._recheck.clear()
 
     def take_deletes(self) -> list[bytes]:
         """The keys evicted since the last call (after `hand_deletes_off`), LRU first — one admitted this step
@@ -548,28 +561,16 @@ class DiskTier:
             deletes += [key for key in self._next_call if key not in self._lru and key not in self._in_flux]
             self._next_call, self._after_step = self._after_step, []
             self._admitted.clear()
-            due = []
-            for key, checked in self._shipped.items():  # in the order they were last looked at
-                if len(due) == SHIPPED_CHECKS_PER_CALL or now - checked < SHIPPED_RECHECK_SECONDS:
-                    break
-                due.append(key)
-            for key in due:
-                del self._shipped[key]
-            self._watch(deletes, now)
+            due = self._take_rechecks(SHIPPED_CHECKS_PER_CALL, SHIPPED_RECHECK_SECONDS)
+            self._recheck_later([(key, 0) for key in deletes], now)
         if not due:
             return deletes
-        still_there = [key for key in due if os.path.exists(self._file(key))]
+        still_there = [key for key, _ in due if os.path.exists(self._file(key))]
         with self._index_lock:  # not indexed again (counted) nor handed off anew meanwhile
             again = [key for key in still_there
-                     if key not in self._lru and key not in self._in_flux and key not in self._shipped]
-            self._watch(again, now)
+                     if key not in self._lru and key not in self._in_flux and key not in self._recheck]
+            self._recheck_later([(key, 0) for key in again], now)
         return deletes + again
-
-    def _watch(self, keys: list[bytes], now: float) -> None:
-        """Watch `keys` as handed off now (under the index lock): at the end of the order, looked at later."""
-        for key in keys:
-            self._shipped.pop(key, None)
-            self._shipped[key] = now
 
     def admit(self, keys: list[bytes], size_bytes: int) -> list[bool]:
         """Index blocks another process is about to write here (their size as `size_bytes`, corrected
@@ -910,7 +911,7 @@ class DiskTier:
         if self._readers is not None:
             self._readers.join()  # its reads and stamps still out (the executor is the process's)
         self._buffers.close()  # leased buffers still out are unmapped when they come back
-        if self._deletes is None and self._leftovers:
+        if self._deletes is None and self._recheck:
             self._evict([], every_leftover=True)  # a last try at every one (still pinned: the next start-up indexes it)
         with self._index_lock:
             self._pins.clear()
