@@ -163,20 +163,23 @@ def test_a_block_one_replica_put_in_the_pool_is_a_hit_for_every_replica_on_it(tm
             replica.sock.close(0)
 
 
-@pytest.mark.parametrize("shared_pool", [True, False])
-def test_kvtier_route_points_the_selector_at_the_relay(tmp_path, shared_pool):
-    """With or without a shared pool, the selector reads the relay's streams (tenants are tagged on both)."""
+@pytest.mark.parametrize("shared_pool, host", [(True, None), (False, "127.0.0.1")])
+def test_kvtier_route_points_the_selector_at_the_relay(tmp_path, shared_pool, host):
+    """With or without a shared pool, the selector reads the relay's streams (tenants are tagged on both), on
+    ipc sockets or on TCP at `--events-host`; the relay asks the replicas' replay endpoints for its gaps."""
     from kvtier.route.cli import build_router
 
     sources = [f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"]
-    router = build_router(["http://a", "http://b"], "least-loaded", kv_events=sources,
-                          kv_events_replay=[f"ipc://{tmp_path}/ra.sock", f"ipc://{tmp_path}/rb.sock"],
-                          shared_pool=shared_pool)
+    replays = [f"ipc://{tmp_path}/ra.sock", f"ipc://{tmp_path}/rb.sock"]
+    router = build_router(["http://a", "http://b"], "least-loaded", kv_events=sources, kv_events_replay=replays,
+                          shared_pool=shared_pool, events_host=host)
     try:
-        assert [r.kv_events_endpoint for r in router.replicas.replicas] == router.event_relay.endpoints
-        assert router.event_relay.sources == sources and router.event_relay.shared_pool == shared_pool
+        relay = router.event_relay
+        assert [r.kv_events_endpoint for r in router.replicas.replicas] == relay.endpoints
+        assert relay.sources == sources and relay.source_replays == replays and relay.shared_pool == shared_pool
+        assert all(e.startswith("tcp://127.0.0.1:" if host else "ipc://") for e in relay.endpoints)
         # the relay numbers its streams anew and answers their replay requests itself
-        assert [r.kv_events_replay_endpoint for r in router.replicas.replicas] == router.event_relay.replay_endpoints
+        assert [r.kv_events_replay_endpoint for r in router.replicas.replicas] == relay.replay_endpoints
     finally:
         asyncio.run(router.close())
     assert not router.event_relay._thread.is_alive()
@@ -216,3 +219,98 @@ def test_a_selector_that_missed_relayed_batches_gets_them_back_by_number(tmp_pat
     assert [int.from_bytes(f[1], "big") for f in live] == [0, 1]
     assert replayed == [tuple(live[1])]
     assert [e["block_hashes"] for e in msgpack.unpackb(replayed[0][2], raw=False)[1]] == [[1], [2]]
+
+
+def test_a_hot_salted_prefix_stays_known_while_its_children_keep_coming():
+    """The salt table is bounded, but a parent a new block names is a use: a tenant's system prompt that every
+    request extends keeps tagging its children however many other chains come and go."""
+    tenants = Tenants(max_blocks=3)
+    tenants.tag(decode(_batch(_salted(_stored([1], "GPU"), "tenant-a"))))
+    for k in range(10):
+        tenants.tag(decode(_batch(_salted(_stored([20 + k], "GPU"), "tenant-b"))))  # another tenant's new root
+        child = decode(_batch([dict(_stored([1, 30 + k], "GPU")[1], parent_block_hash=1)]))
+        assert tenants.tag(child) and child[1][0]["cache_salt"] == "tenant-a"
+
+
+def _relayed(sub, n: int) -> list[list[int]]:
+    """The block hashes of the next `n` batches on a relay's stream, one list per batch."""
+    out = []
+    for _ in range(n):
+        assert sub.poll(5000), f"only {len(out)} of {n} batches relayed"
+        _, _, payload = sub.recv_multipart()
+        out.append([h for e in decode(payload)[1] for h in e.get("block_hashes", [])])
+    return out
+
+
+def _subscriber(endpoint: str):
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    return sub
+
+
+@pytest.mark.parametrize("with_replay", [True, False])
+def test_a_gap_in_a_replica_s_stream_is_asked_for_at_its_replay_endpoint(tmp_path, with_replay):
+    """Batch 1 never reaches the relay (a queue overflowed): the relay asks the replica's replay socket for it
+    (vLLM's protocol) and relays 0, 1, 2 in order; with no replay endpoint it counts one missed batch. Over TCP
+    (`host`: a selector on another machine)."""
+    import zmq
+
+    from kvtier.events.publisher import ReplayBuffer
+
+    a = EventPublisher(f"ipc://{tmp_path}/a.sock")
+    buffer, router = ReplayBuffer(100), zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/a-replay.sock")
+    relay = EventRelay([a.endpoint], tmp_path / "relay", host="127.0.0.1",
+                       source_replays=[f"ipc://{tmp_path}/a-replay.sock" if with_replay else None]).start()
+    sub = _subscriber(relay.endpoints[0])
+    try:
+        assert relay.endpoints[0].startswith("tcp://127.0.0.1:")
+        time.sleep(0.5)  # the subscriptions join
+        for seq, hashes in enumerate([[1], [2], [3]]):
+            buffer.append(seq, _batch(_stored(hashes, "GPU")))
+            if seq != 1:
+                a.sock.send_multipart((b"", seq.to_bytes(8, "big"), _batch(_stored(hashes, "GPU"))))
+            if seq == 2 and with_replay:
+                assert router.poll(5000)
+                buffer.serve(router)  # the relay's request for batch 1
+        got = _relayed(sub, 3 if with_replay else 2)
+    finally:
+        sub.close(0)
+        relay.close()
+        router.close(0)
+        a.sock.close(0)
+    assert got == ([[1], [2], [3]] if with_replay else [[1], [3]])
+    assert relay.num_missed == (0 if with_replay else 1)
+
+
+def test_what_a_replica_sends_that_is_not_vllm_s_never_stops_the_relay(tmp_path):
+    a = EventPublisher(f"ipc://{tmp_path}/a.sock")
+    relay = EventRelay([a.endpoint], tmp_path / "relay").start()
+    sub = _subscriber(relay.endpoints[0])
+    odd = msgpack.packb({"events": []})  # a map, not vLLM's batch
+    try:
+        time.sleep(0.5)
+        a.sock.send_multipart((b"", (0).to_bytes(8, "big"), odd))
+        a.sock.send_multipart((b"", b"two frames"))
+        a.publish(_stored([7], "GPU"))
+        assert sub.poll(5000) and sub.recv_multipart()[2] == odd  # passed on as it came
+        assert _relayed(sub, 1) == [[7]]  # the 2-frame message dropped, the relay still going
+        assert relay.num_unreadable == 2 and relay._thread.is_alive()
+    finally:
+        sub.close(0)
+        relay.close()
+        a.sock.close(0)
+
+
+def test_a_relay_that_cannot_start_says_why_and_leaves_nothing():
+    import zmq
+
+    relay = EventRelay(["bogus://nowhere"])
+    with pytest.raises(zmq.ZMQError):
+        relay.start()
+    assert not relay._dir.exists() and not relay._thread.is_alive()

@@ -10,10 +10,12 @@ from kvtier.errors import UserError
 def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | None = None,
                  selector_url: str | None = None, kv_events: list[str] | None = None,
                  kv_events_replay: list[str] | None = None, model_name: str = "smollm2", block_size: int = 32,
-                 shared_pool: bool = False):
+                 shared_pool: bool = False, events_host: str | None = None):
     """A `Router` from the command's settings (also used by tests). The selector reads the replicas' KV events
     (`kv_events`) through `event_relay.EventRelay`: each block with its tenant, and with `shared_pool` (the
-    replicas share one Mooncake / Redis pool) the others' pool blocks in each replica's stream."""
+    replicas share one Mooncake / Redis pool) the others' pool blocks in each replica's stream; a gap in a
+    replica's stream is asked for at its `kv_events_replay` endpoint. `events_host`: the relay publishes on TCP
+    there (a selector on another machine), not on ipc sockets."""
     from kvtier.route.app import Router
     from kvtier.route.prompts import load_tokenizer
     from kvtier.route.replicas import Replica, ReplicaSet
@@ -28,7 +30,8 @@ def build_router(replica_urls: list[str], policy: str, *, tokenizer_path: str | 
     if kv_events:
         from kvtier.route.event_relay import EventRelay
 
-        relay = EventRelay(kv_events, shared_pool=shared_pool).start()
+        relay = EventRelay(kv_events, shared_pool=shared_pool, source_replays=kv_events_replay or None,
+                           host=events_host).start()
         kv_events, kv_events_replay = relay.endpoints, relay.replay_endpoints  # the relay numbers its own streams
     replicas = [Replica(i + 1, url, kv_events[i] if kv_events else None,
                         kv_events_replay[i] if kv_events_replay else None) for i, url in enumerate(replica_urls)]
@@ -82,6 +85,9 @@ def register(app: typer.Typer) -> None:
         block_size: int = typer.Option(32, help="the replicas' KV block size in tokens (vLLM --block-size)"),
         shared_pool: bool = typer.Option(False, "--shared-pool", help="dynamo: the replicas share one Mooncake / "
                                          "Redis pool: a block one of them put there counts for all"),
+        events_host: str = typer.Option(None, "--events-host", help="dynamo: the selector reads the replicas' KV "
+                                        "events from kvtier's relay on tcp://HOST:<port> (a selector on another "
+                                        "machine); default: ipc sockets on this one"),
     ) -> None:
         """Route OpenAI requests over replicas (vLLM + kvtier, or kvtier serve) by a policy."""
         import logging
@@ -93,7 +99,7 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
         router = build_router(replica, policy, tokenizer_path=tokenizer, selector_url=selector,
                               kv_events=kv_events, kv_events_replay=kv_events_replay, model_name=model,
-                              block_size=block_size, shared_pool=shared_pool)
+                              block_size=block_size, shared_pool=shared_pool, events_host=events_host)
         print(f"kvtier route: http://{host}:{port}/v1 over {len(replica)} replicas ({policy}; /metrics)",
               flush=True)
         uvicorn.run(create_app(router), host=host, port=port, log_level="warning")
