@@ -166,6 +166,55 @@ def test_an_owner_looks_again_at_a_bounded_number_of_handed_off_keys_per_call_in
     assert owner.take_deletes() == KEYS[:2] and owner.take_deletes() == [KEYS[2], KEYS[0]]
 
 
+def test_a_key_indexed_again_in_the_step_it_was_evicted_is_not_handed_off_nor_any_key_twice(tmp_path):
+    owner, store = DiskTier(tmp_path, 2 * BLOCK_BYTES), DiskStore(tmp_path)
+    owner.hand_deletes_off()
+    owner.admit([KEYS[0]], BLOCK_BYTES)
+    owner.admit([KEYS[1]], BLOCK_BYTES)  # K0 least recent
+    put(store, *KEYS[:2], KEYS[5])
+    owner.hand_off_next([KEYS[5]])  # written unadmitted: handed off at the call after the next
+    assert owner.take_deletes() == []
+    owner.admit([KEYS[2]], BLOCK_BYTES)  # evicts K0 ...
+    assert owner.admit([KEYS[0]], BLOCK_BYTES) == [True]  # ... admitted again in the same step (evicts K1)
+    assert owner.admit([KEYS[5]], BLOCK_BYTES) == [True]  # K5 indexed (evicts K2, not written yet) ...
+    owner.touch_many([KEYS[0]])
+    owner.admit([KEYS[6]], BLOCK_BYTES)  # ... and evicted again: handed off for both reasons, once
+    assert owner.take_deletes() == [KEYS[1], KEYS[5]]  # not K0: its file is the owner's again
+    assert owner.take_deletes() == [KEYS[2]]  # a step later: its write may be to come (as K6's)
+
+
+def test_the_handed_off_keys_looked_at_again_stay_bounded_at_many_evictions_a_step(tmp_path, monkeypatch):
+    """More evictions a step than `SHIPPED_CHECKS_PER_CALL`: at least as many leave the retry list as join."""
+    monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
+    n = 3 * disk.SHIPPED_CHECKS_PER_CALL
+    owner = DiskTier(tmp_path, n * BLOCK_BYTES)
+    owner.hand_deletes_off()
+    sizes = []
+    for step in range(12):  # each step's blocks evict the last step's (their files gone: the deleter's done)
+        owner.admit([(step * n + i).to_bytes(16, "big") for i in range(n)], BLOCK_BYTES)
+        assert len(owner.take_deletes()) == (n if step else 0)
+        sizes.append(len(owner._recheck))
+    assert max(sizes) <= 2 * n and sizes[-1] == sizes[-2]
+
+
+def test_the_retry_list_forgets_its_oldest_past_its_limit_counted_and_logged(tmp_path, monkeypatch, caplog):
+    """Files that never go (a deleter that never deletes them) are looked at again forever: the list keeps
+    `RECHECK_LIMIT`, the oldest forgotten (counted, one warning)."""
+    monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
+    monkeypatch.setattr(disk, "RECHECK_LIMIT", 8)
+    owner = DiskTier(tmp_path, BLOCK_BYTES)
+    owner.hand_deletes_off()
+    keys = [i.to_bytes(16, "big") for i in range(1, 21)]
+    put(DiskStore(tmp_path), *keys)  # every file stays
+    with caplog.at_level("WARNING", logger=disk.__name__):
+        for key in keys:  # each admission evicts the last one
+            owner.admit([key], BLOCK_BYTES)
+            owner.take_deletes()
+    assert len(owner._recheck) == 8 and owner.rechecks_dropped == 19 - 8
+    assert set(owner._recheck) < set(keys[:19])  # evicted ones (K19 is indexed)
+    assert sum("forgetting the oldest" in r.message for r in caplog.records) == 1
+
+
 def test_a_write_queued_before_its_delete_is_removed_when_it_lands_however_late(tmp_path, monkeypatch):
     """vLLM's worker queues a save on the writes lane; the owner evicts the key meanwhile and the store's
     delete finds nothing yet: it is done again behind the writes queued before it, so the file goes once it

@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -90,7 +91,9 @@ LOCK_FILES = 16  # ... in this many files (an index opens each once): a lock cal
 _FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0: an OFD lock)
 TMP_GRACE_SECONDS = 600.0  # a temporary file this old is a crashed write's, not another process's live one
 SHIPPED_RECHECK_SECONDS = 1.0  # `take_deletes`: how late a handed-off key's file is looked for again
-SHIPPED_CHECKS_PER_CALL = 64  # ... and how many at most per call (one step's bounded cost)
+SHIPPED_CHECKS_PER_CALL = 64  # ... and how many at most per call (one step's bounded cost), or twice the call's
+# new deletes where more (the list never outgrows what it looks at)
+RECHECK_LIMIT = 1 << 16  # evicted files looked at again later, at most: past it the oldest is forgotten (counted)
 LEFTOVERS_PER_PASS = 64  # leftovers tried again per eviction pass, oldest first (a pass's bounded cost)
 PROBE_BLOCKS = 4  # writes come back only with room for this many of the largest block
 _DISABLING_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
@@ -291,6 +294,7 @@ class DiskTier:
         # evicted, its file maybe still there (another process pinned it; or handed off, the deleter's to do):
         # (size, when last tried; handed off: 0 bytes), looked at again later, least recently tried first
         self._recheck: dict[bytes, tuple[int, float]] = {}
+        self.rechecks_dropped = 0  # ... forgotten past `RECHECK_LIMIT`
         self._deletes: list[bytes] | None = None  # `hand_deletes_off`: evicted keys, deleted by someone else
         self._admitted: set[bytes] = set()  # ... admitted since the last `take_deletes` (this step)
         self._after_step: list[bytes] = []  # ... whose write the other process queues with this step,
@@ -509,10 +513,21 @@ class DiskTier:
                 self._in_flux.difference_update(key for key, _ in victims)
 
     def _recheck_later(self, victims: list[tuple[bytes, int]], now: float) -> None:
-        """Look at these evicted blocks' files again later, after every other (under the index lock)."""
+        """Look at these evicted blocks' files again later, after every other (under the index lock). Past
+        `RECHECK_LIMIT` the least recently tried is forgotten, its file (if still there: pinned for long, or
+        a deleter that never deletes) left to the next start-up's scan: counted (`rechecks_dropped`), logged."""
         for key, size in victims:
             self._recheck.pop(key, None)
             self._recheck[key] = (size, now)
+        over = len(self._recheck) - RECHECK_LIMIT
+        if over > 0:
+            for key in list(itertools.islice(self._recheck, over)):
+                del self._recheck[key]
+            if not self.rechecks_dropped:
+                log.warning("%s tier %s: more than %d evicted files to look at again; forgetting the oldest "
+                            "(a file still there stays until the next start-up)", self.name, self.directory,
+                            RECHECK_LIMIT)
+            self.rechecks_dropped += over
 
     def _take_rechecks(self, limit: int | None, wait_seconds: float = 0.0) -> list[tuple[bytes, int]]:
         """At most `limit` (None: all) evicted blocks whose files to look at again now, least recently tried
@@ -551,17 +566,20 @@ class DiskTier:
         call: the other process queues their writes with this step (a save, a promotion after a load), so their
         delete goes with the next step, behind the writes — and again any key handed off a while ago
         whose file is still there and that no index here counts (a delete the other side could not do: another
-        process pinned the file). A handed-off key is looked at `SHIPPED_RECHECK_SECONDS` later (the other side
-        has had its step to delete it), at most `SHIPPED_CHECKS_PER_CALL` a call, least recently looked at
-        first (a bounded cost per step), and forgotten once its file is gone: a write queued before the delete
-        that lands after it is the deleter's to remove (`DiskStore.delete_many`), not a watch's."""
+        process pinned the file). A key indexed again since its eviction (admitted or adopted: counted) is not
+        handed off, and none twice in one call. A handed-off key is looked at `SHIPPED_RECHECK_SECONDS` later
+        (the other side has had its step to delete it), at most `SHIPPED_CHECKS_PER_CALL` a call or twice the
+        call's new deletes (more leave the list than join it), least recently looked at first, and forgotten once
+        its file is gone: a write queued before the delete that lands after it is the deleter's to remove
+        (`DiskStore.delete_many`), not a watch's."""
         now = time.monotonic()
-        with self._index_lock:
-            deletes, self._deletes = self._deletes or [], []
-            deletes += [key for key in self._next_call if key not in self._lru and key not in self._in_flux]
+        with self._index_lock:  # a key indexed again since (counted) stays; each key once
+            deletes = list(dict.fromkeys(key for key in (self._deletes or []) + self._next_call
+                                         if key not in self._lru and key not in self._in_flux))
+            self._deletes = []
             self._next_call, self._after_step = self._after_step, []
             self._admitted.clear()
-            due = self._take_rechecks(SHIPPED_CHECKS_PER_CALL, SHIPPED_RECHECK_SECONDS)
+            due = self._take_rechecks(max(SHIPPED_CHECKS_PER_CALL, 2 * len(deletes)), SHIPPED_RECHECK_SECONDS)
             self._recheck_later([(key, 0) for key in deletes], now)
         if not due:
             return deletes
