@@ -4,6 +4,7 @@ directory is a plain file store that deletes what it is told."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -12,9 +13,11 @@ import torch
 from kvtier.blocks import KeySpace, KVLayout
 from kvtier.codecs import get_codec
 from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.trackers import SaveSpec
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers import DiskStore, DiskTier, disk, make_tier
 from kvtier.tiers.manager import TierManager, build_manager
+from kvtier.transfer.executor import transfer_executor
 
 L, H, T, D, NUM_BLOCKS = 2, 1, 4, 8, 12
 LAYOUT = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, block_tokens=T)
@@ -52,7 +55,7 @@ def step(scheduler: SchedulerSide, worker: WorkerSide, req, block_ids: list[int]
     worker.begin_step(records.saves)
     worker.finish_save()
     worker.wait_saves()
-    worker._loader.submit(lambda: None).result()  # the deletes ran (the load thread)
+    worker._loader.submit(lambda: None).result()  # its loads ran (the deletes: at `delete`, no writes thread here)
     return records
 
 
@@ -376,3 +379,47 @@ def test_a_delete_the_worker_could_not_do_is_shipped_again_until_done(sides, tmp
     assert len(list(tmp_path.glob("*/*.kvb"))) == scheduler.manager.tiers[0].num_blocks() == 3
     assert worker.take_stats()["deleted_blocks"] == 2
     other.close()
+
+
+def test_a_delete_runs_between_the_last_step_s_saves_and_this_step_s_while_the_load_thread_is_busy(tmp_path):
+    """A step saves a block; the scheduler evicts it and admits it again the next step (its delete and its
+    save in one step's metadata) while a slow load holds the worker's load thread. The delete runs on the
+    writes lane, queued as the metadata arrives: after the first save, ahead of the second, so the file
+    written again stays (a delete on the load thread would run after that save and remove it)."""
+    manager = TierManager([make_tier(f"ssd:{tmp_path}:{3 * BLOCK_BYTES}", slot_bytes=BLOCK_BYTES, owner=False)])
+    store = manager.tiers[0]
+    worker = WorkerSide(LAYOUT, get_codec("raw"), manager, stores={"ssd": store})
+    worker.register({name: torch.randn(NUM_BLOCKS, H, T, 2 * D) for name in NAMES},
+                    lambda name: int(name.split(".")[2]))
+    key, slow_load = bytes(range(16)), threading.Event()
+    try:
+        worker._loader.submit(slow_load.wait, 10)
+        worker.delete({})
+        worker.begin_step([SaveSpec("r", [key], [0])])
+        worker.finish_save()
+        worker.delete({"ssd": [key]})  # evicted, and admitted again: saved with this step
+        worker.begin_step([SaveSpec("r", [key], [1])])
+        worker.finish_save()
+        worker.wait_saves()
+        assert store.contains_many([key]) == [True]
+        slow_load.set()
+        worker._loader.submit(lambda: None).result(timeout=10)
+        assert store.contains_many([key]) == [True] and worker.take_stats()["deleted_blocks"] == 1
+    finally:
+        slow_load.set()
+        worker.shutdown()
+        manager.close()
+
+
+def test_a_worker_without_a_writes_thread_deletes_at_once(sides):
+    """Saves written in the step (no writes thread): the step's deletes run as its metadata arrives, before
+    them, not on the process's writes lane (busy here), where they could follow a save of the same key."""
+    _, worker, store = sides
+    key, gate = bytes(range(16)), threading.Event()
+    store.put_many([(key, b"x" * 64)])
+    try:
+        assert transfer_executor().write(lambda: gate.wait(10))
+        worker.delete({"ssd": [key]})
+        assert store.contains_many([key]) == [False] and worker.take_stats()["deleted_blocks"] == 1
+    finally:
+        gate.set()

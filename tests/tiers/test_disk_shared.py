@@ -215,30 +215,33 @@ def test_the_retry_list_forgets_its_oldest_past_its_limit_counted_and_logged(tmp
     assert sum("forgetting the oldest" in r.message for r in caplog.records) == 1
 
 
-def test_a_write_queued_before_its_delete_is_removed_when_it_lands_however_late(tmp_path, monkeypatch):
-    """vLLM's worker queues a save on the writes lane; the owner evicts the key meanwhile and the store's
-    delete finds nothing yet: it is done again behind the writes queued before it, so the file goes once it
-    lands, however late (no watch in the owner: a key whose file is gone is forgotten). A write queued
-    after a delete (the key admitted again) stays."""
+def test_a_delete_behind_the_writes_removes_a_late_write_and_keeps_a_write_queued_after_it(tmp_path, monkeypatch):
+    """vLLM's worker queues a save on the writes lane; the owner evicts the key meanwhile. The store's delete
+    runs on the lane (`delete_behind_writes`): behind the write queued before it, so the file goes once it
+    lands, however late (no watch in the owner: a key whose file is gone is forgotten), and ahead of a write
+    queued after it (the key admitted again), which stays."""
     monkeypatch.setattr(disk, "SHIPPED_RECHECK_SECONDS", 0.0)
     owner, store = DiskTier(tmp_path, 2 * BLOCK_BYTES), DiskStore(tmp_path)
     owner.hand_deletes_off()
     owner.admit(KEYS[:2], BLOCK_BYTES)
     assert owner.take_deletes() == []  # the step ends: its writes are queued
-    put(store, KEYS[0])
+    put(store, KEYS[0], KEYS[3])  # K3: an old file of a key evicted before
     lane, gate = transfer_executor(), threading.Event()
     try:
         assert lane.write(lambda: gate.wait(10))  # a slow lane
         assert lane.write(lambda: put(store, KEYS[1]))  # K1's write, queued before its eviction
         owner.admit([KEYS[2]], BLOCK_BYTES)
         assert owner.take_deletes() == [KEYS[1]]
-        assert store.delete_many([KEYS[1], KEYS[3]]) == 0  # nothing there yet
-        assert owner.take_deletes() == [] and owner._recheck == {}  # gone: forgotten
-        assert lane.write(lambda: put(store, KEYS[3]))  # K3 written again after its delete
+        deleted = store.delete_behind_writes([KEYS[1], KEYS[3]])
+        assert lane.write(lambda: put(store, KEYS[3]))  # K3 admitted again, written after its delete
+        assert not deleted.done() and store._path(KEYS[3]).exists()  # nothing deleted ahead of the lane
     finally:
         gate.set()
+    assert deleted.result(timeout=10) == 2  # K1 once it landed, K3's old file
+    assert store.delete_many([KEYS[4]]) == 0  # files that went are counted, not keys told
     lane.after_writes(lambda: None).result(timeout=10)  # every write queued so far has run
-    assert not store._path(KEYS[1]).exists() and store._path(KEYS[3]).exists()
+    assert not store._path(KEYS[1]).exists() and store.get_many([KEYS[3]]) == [payload(KEYS[3])]
+    assert owner.take_deletes() == [] and owner._recheck == {}  # K1 gone: forgotten
 
 
 def test_a_write_running_when_its_delete_comes_is_removed_once_placed(tmp_path, monkeypatch):
@@ -255,11 +258,11 @@ def test_a_write_running_when_its_delete_comes_is_removed_once_placed(tmp_path, 
     try:
         assert transfer_executor().write(lambda: put(store, KEYS[0]))
         assert placing.wait(10)
-        assert store.delete_many([KEYS[0]]) == 0  # being written: not there yet
+        deleted = store.delete_behind_writes([KEYS[0]])
+        assert store.delete_many([KEYS[0]]) == 0  # a delete now finds nothing yet
     finally:
         go.set()
-    transfer_executor().after_writes(lambda: None).result(timeout=10)  # the write has landed, and what followed
-    assert not store._path(KEYS[0]).exists()
+    assert deleted.result(timeout=10) == 1 and not store._path(KEYS[0]).exists()  # behind the write
 
 
 def test_a_block_written_unadmitted_or_evicted_as_it_was_admitted_is_handed_off_a_step_later(tmp_path):

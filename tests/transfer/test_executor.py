@@ -258,7 +258,7 @@ def test_a_full_writes_lane_drops_the_write_and_counts_its_blocks_without_waitin
 
 
 def test_a_task_after_the_writes_is_queued_past_a_full_lane_and_runs_after_them():
-    """`after_writes` (a directory's second delete): never dropped, never waits, runs behind every write
+    """`after_writes` (a vLLM worker's deletes): never dropped, never waits, runs behind every write
     queued before it."""
     executor = TransferExecutor(workers=1, max_queued_writes=2)
     release = _held_write(executor)

@@ -41,10 +41,11 @@ is writing or has pinned for a load:
   oldest first) and at `close`, until it goes or an index takes it in again (a lookup's adoption, a write
   of the same key); an owner that hands its deletes off (`hand_deletes_off`) looks again at what it handed
   off, and hands off again a file still there a while later (a delete refused for another process's pin:
-  `take_deletes`) — one retry list for both, least recently tried first; the process that deletes (`DiskStore.delete_many`) deletes again, behind every write it
-  queued before the delete, a file that was not there yet, so a write that lands after its key's eviction,
-  however late, leaves nothing (an index's own writes cannot: the key is indexed, in flux, before its file
-  is written, and never a victim meanwhile);
+  `take_deletes`) — one retry list for both, least recently tried first, bounded (`RECHECK_LIMIT`); the
+  process that deletes runs the deletes on its writes lane (`DiskStore.delete_behind_writes`), behind every
+  write it queued before them and ahead of those after, so a write that lands after its key's eviction,
+  however late, leaves nothing and one of the key admitted again stays (an index's own writes cannot strand
+  a file: the key is indexed, in flux, before its file is written, and never a victim meanwhile);
 - a lookup (`contains_many`) checks that an indexed file is still there: another process's eviction
   or a write still to land is a miss, not a stale hit; a reader that loses a race anyway gets a
   missing file (a miss) or fails the header checksum (`codecs.header.verify`): recomputed, never wrong.
@@ -65,6 +66,7 @@ import secrets
 import struct
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 from kvtier.errors import UserError
@@ -299,7 +301,7 @@ class DiskTier:
         self._admitted: set[bytes] = set()  # ... admitted since the last `take_deletes` (this step)
         self._after_step: list[bytes] = []  # ... whose write the other process queues with this step,
         self._next_call: list[bytes] = []  # ... and with the last one: handed off at the next call
-        self._readers: Tasks | None = None  # this tier's reads (and late deletes) on the process's transfer executor
+        self._readers: Tasks | None = None  # this tier's reads (and a store's deletes) on the process's transfer executor
         self._max_block_bytes = 0  # the largest block seen (scanned or offered): sizes the probe
         self._buffers = ReadBuffers()
         self._leases = Leases()  # read buffers lent out, by key
@@ -570,8 +572,8 @@ class DiskTier:
         handed off, and none twice in one call. A handed-off key is looked at `SHIPPED_RECHECK_SECONDS` later
         (the other side has had its step to delete it), at most `SHIPPED_CHECKS_PER_CALL` a call or twice the
         call's new deletes (more leave the list than join it), least recently looked at first, and forgotten once
-        its file is gone: a write queued before the delete that lands after it is the deleter's to remove
-        (`DiskStore.delete_many`), not a watch's."""
+        its file is gone: the other side deletes behind the writes it queued before the delete
+        (`DiskStore.delete_behind_writes`), so no write of it lands later."""
         now = time.monotonic()
         with self._index_lock:  # a key indexed again since (counted) stays; each key once
             deletes = list(dict.fromkeys(key for key in (self._deletes or []) + self._next_call
@@ -613,8 +615,8 @@ class DiskTier:
         """After `hand_deletes_off`: `keys`, which `admit` refused this step, will be written here all the same
         (vLLM's worker writes a block through to every directory once one took it, and promotes what it loaded
         from below): handed off for deletion at the `take_deletes` after this step's, so the delete reaches the
-        other process behind the write it queues with this step (`DiskStore.delete_many` then removes the file
-        however late it lands). A key indexed meanwhile is kept."""
+        other process behind the write it queues with this step (`DiskStore.delete_behind_writes` then removes
+        the file however late it lands). A key indexed meanwhile is kept."""
         with self._index_lock:
             if self._deletes is not None:
                 self._after_step += keys
@@ -964,52 +966,30 @@ class DiskStore(DiskTier):
 
     def delete(self, key: bytes) -> bool:
         """Drop a bad block (as `DiskTier.delete`)."""
-        return self._delete(key, self._remove)
+        return self._delete(key, lambda: self._remove(self._path(key)) is None)
 
     def delete_many(self, keys: list[bytes]) -> int:
-        """The files the owner's index evicted: how many went (one a load pinned stays). A key whose file is
-        not there, or is being written right now, may still land from a write this process queued before the
-        delete (a save queued before its key's eviction, however late it runs): it is deleted again on the
-        writes lane, behind every write queued so far (`after_writes`: never dropped), so no file lands after
-        its delete for good. A write queued after the delete (the key admitted again) is not touched."""
-        num_deleted, later = 0, []
-        for key in keys:
-            deleted = self._delete_evicted(key)
-            num_deleted += bool(deleted)
-            if deleted is None:
-                later.append(key)
-        if later:
-            self._reader_pool().after_writes(self._delete_late, later)
-        return num_deleted
+        """The files the owner's index evicted, deleted now: how many went (one a load pinned stays, as one
+        being written here right now). `delete_behind_writes` orders them after this process's writes."""
+        return sum(self._delete(key, lambda: os.path.exists(self._file(key)) and self._remove_unpinned(key))
+                   for key in keys)
 
-    def _delete_evicted(self, key: bytes) -> bool | None:
-        """True: removed; False: it stays (pinned); None: no file, or one being written (maybe still to land)."""
-        with self._index_lock:
-            if key in self._in_flux:
-                return None
-            self._in_flux.add(key)
-        try:
-            removed = self._remove_unpinned(key) if os.path.exists(self._file(key)) else None
-        finally:
-            with self._index_lock:
-                self._in_flux.discard(key)
-        if removed:
-            announce_removed(self, [key])
-        return removed
-
-    def _delete_late(self, keys: list[bytes]) -> None:
-        """`delete_many`'s second try, on the writes lane: what landed since goes (one pinned meanwhile stays:
-        the owner sees it and ships its delete again)."""
-        for key in keys:
-            self._delete_evicted(key)
+    def delete_behind_writes(self, keys: list[bytes]) -> Future:
+        """`delete_many` on the process's writes lane (`TransferExecutor.after_writes`: never dropped, never
+        waits): behind every write this process queued before it, so a write queued before its key's eviction
+        lands first and goes, however late; ahead of every write queued after it (the key admitted again: that
+        file stays). Its future says how many went; the store's close waits for it."""
+        return self._reader_pool().after_writes(self.delete_many, keys)
 
     def _delete(self, key: bytes, remove) -> bool:
+        """`remove()` (True: the file went) with `key` in flux meanwhile (not held, nor removed twice), the
+        removal announced: a bad block's and an evicted one's."""
         with self._index_lock:
             if key in self._in_flux:
                 return False
             self._in_flux.add(key)
         try:
-            removed = remove(self._path(key)) is not False
+            removed = bool(remove())
         finally:
             with self._index_lock:
                 self._in_flux.discard(key)

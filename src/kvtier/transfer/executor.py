@@ -27,7 +27,7 @@ its owner's share, `Writes.max_queued`), it is dropped, `write` says False and i
 lanes are full is decided in one place, here: loads wait, writes drop. A write that raises is logged and
 counted in `num_failed`; the lane goes on. A write may submit leaves and wait for them (it is a coordinator),
 never another write. `after_writes(fn)` runs a task behind every write queued so far that is never dropped (it
-carries no bytes): a directory's second delete of a file a queued write may still land (`DiskStore.delete_many`).
+carries no bytes): a vLLM worker's deletes, behind the saves queued before them (`DiskStore.delete_behind_writes`).
 
 Where it lives: in `transfer/`, imported by the tiers below it (`tiers/disk.py`'s reads are its leaves,
 `tiers/writeback.py` writes on it), so it imports nothing of kvtier above the tiers (only `thread_names`: its
@@ -250,8 +250,8 @@ class TransferExecutor(Executor):
 
     def after_writes(self, fn, /, *args, **kwargs) -> Future:
         """Run `fn` on the writes thread after every write queued so far: never dropped (it carries no bytes;
-        queued past the bound), never waits. A directory's delete of a file that a write queued before it may
-        still land (`DiskStore.delete_many`)."""
+        queued past the bound), never waits. A directory's deletes, behind the writes queued before them
+        (`DiskStore.delete_behind_writes`)."""
         future: Future = Future()
         self._writes.put(future, fn, args, kwargs, bounded=False)
         return future
@@ -312,7 +312,7 @@ class Tasks(_Open, Executor):
         return self._counted(lambda executor: executor.ahead(fn, *args, **kwargs))
 
     def after_writes(self, fn, /, *args, **kwargs) -> Future:
-        """`TransferExecutor.after_writes`, counted (a directory's late deletes, waited for at its close)."""
+        """`TransferExecutor.after_writes`, counted (a directory's deletes, waited for at its close)."""
         return self._counted(lambda executor: executor.after_writes(fn, *args, **kwargs))
 
     def _counted(self, send) -> Future:

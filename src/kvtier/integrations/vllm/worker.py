@@ -25,7 +25,7 @@ refreshes the chain it extends (`SaveSpec.held_keys`, then its new blocks) tail 
 without rewriting what it holds: a turn's new blocks never outrank their root. No tier error ever reaches vLLM.
 The worker's SSD and `shm:` tiers are plain file stores (`DiskStore`): the scheduler owns their index and
 eviction, and the files it evicted reach the worker in the step's metadata (`delete`), removed on the
-load thread, off the forward.
+writes lane between the last step's saves and this one's, off the forward.
 """
 
 from __future__ import annotations
@@ -232,24 +232,30 @@ class WorkerSide:
 
     # -- the scheduler's evictions ----------------------------------------------------------------
     def delete(self, deletes: dict[str, list[bytes]]) -> None:
-        """Remove the files the scheduler's index evicted (tier name -> keys), on the load thread: before
-        this step's loads, never one of their blocks (the scheduler pinned those), nor a file another
-        process pinned (`DiskStore.delete`)."""
-        if deletes:
-            self._loader.submit(self._delete, deletes)
-
-    def _delete(self, deletes: dict[str, list[bytes]]) -> None:
+        """Remove the files the scheduler's index evicted (tier name -> keys), called with the step's metadata
+        (before the step's saves are queued): on the process's writes lane (`DiskStore.delete_behind_writes`),
+        behind every write queued up to the last step (a late save of an evicted key lands, then goes) and
+        ahead of this step's (a key admitted again is written after its old file's delete: it stays); never
+        dropped, off the forward. Never a file a load reads (the scheduler pinned those: a pinned file stays),
+        nor one another process pinned. Without a writes thread (saves written in the step) it runs here, now."""
         for name, keys in deletes.items():
             store = self._stores.get(name)
-            if store is None:
+            if store is None or not keys:
                 continue
-            try:
-                num_deleted = store.delete_many(keys)
-            except Exception:  # noqa: BLE001 - a file left behind is space, never a wrong block
-                log.exception("kvtier: deleting %d evicted blocks from %s failed", len(keys), name)
+            if not self.manager.has_writer_thread:
+                self._deleted(name, keys, lambda: store.delete_many(keys))
                 continue
-            with self._lock:
-                self._stats["deleted_blocks"] += num_deleted
+            future = store.delete_behind_writes(keys)
+            future.add_done_callback(lambda done, name=name, keys=keys: self._deleted(name, keys, done.result))
+
+    def _deleted(self, name: str, keys: list[bytes], result) -> None:
+        try:
+            num_deleted = result()
+        except Exception:  # noqa: BLE001 - a file left behind is space, never a wrong block
+            log.exception("kvtier: deleting %d evicted blocks from %s failed", len(keys), name)
+            return
+        with self._lock:
+            self._stats["deleted_blocks"] += num_deleted
 
     # -- saves -----------------------------------------------------------------------------------
     def begin_step(self, saves: list[SaveSpec]) -> None:
