@@ -12,8 +12,8 @@ import torch
 
 from kvtier.blocks import KeySpace, KVLayout
 from kvtier.codecs import get_codec
-from kvtier.integrations.vllm.scheduler import SchedulerSide
-from kvtier.integrations.vllm.trackers import SaveSpec
+from kvtier.integrations.vllm.scheduler import SchedulerSide, deletes_for_rank
+from kvtier.integrations.vllm.trackers import SaveSpec, shard_keys
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers import DiskStore, DiskTier, disk, make_tier
 from kvtier.tiers.manager import TierManager, build_manager
@@ -423,3 +423,34 @@ def test_a_worker_without_a_writes_thread_deletes_at_once(sides):
         assert store.contains_many([key]) == [False] and worker.take_stats()["deleted_blocks"] == 1
     finally:
         gate.set()
+
+
+def test_each_tensor_parallel_rank_deletes_only_its_own_shard_files(tmp_path):
+    """World size 2: the scheduler's index holds both ranks' files of a block; what it evicts is split by
+    rank, so each rank deletes its own shards' files (on its own writes lane, behind its own writes of them),
+    never another rank's."""
+    scheduler = SchedulerSide(SPACE, build_manager([f"ssd:{tmp_path}:{4 * BLOCK_BYTES}"], slot_bytes=BLOCK_BYTES,
+                                                   async_writes=False), world_size=2, block_bytes=BLOCK_BYTES)
+    stores = [DiskStore(tmp_path), DiskStore(tmp_path)]  # rank 0's and rank 1's worker
+    try:
+        old, new = request("a", list(range(2 * T + 1))), request("b", list(range(100, 100 + 2 * T + 1)))
+        scheduler.after_alloc(old, [0, 1, 2], 0)
+        records = scheduler.build_records({"a": 2 * T + 1}, lambda _: [0, 1, 2])
+        old_keys = [key for spec in records.saves for key in spec.keys]
+        for rank, store in enumerate(stores):  # each rank writes its shards
+            store.put_many([(key, b"x" * 64) for key in shard_keys(old_keys, rank, 2)])
+        scheduler.after_alloc(new, [3, 4, 5], 0)
+        records = scheduler.build_records({"b": 2 * T + 1}, lambda _: [3, 4, 5])  # evicts every file of "a"
+        assert sorted(records.deletes["ssd"]) == sorted(shard_keys(old_keys, 0, 2) + shard_keys(old_keys, 1, 2))
+        own = [deletes_for_rank(records.deletes, records.delete_ranks, rank) for rank in (0, 1)]
+        assert [sorted(o["ssd"]) for o in own] == [sorted(shard_keys(old_keys, rank, 2)) for rank in (0, 1)]
+        assert stores[0].delete_many(own[0]["ssd"]) == 2
+        assert stores[1].contains_many(shard_keys(old_keys, 1, 2)) == [True, True]  # rank 1's: not rank 0's to do
+        assert stores[1].delete_many(own[1]["ssd"]) == 2
+        assert scheduler._file_ranks["ssd"].keys() == set(shard_keys(records.saves[0].keys, 0, 2)
+                                                          + shard_keys(records.saves[0].keys, 1, 2))  # shipped: forgotten
+        assert deletes_for_rank({"ssd": [b"k"]}, {}, 3) == {"ssd": [b"k"]}  # one worker: every file
+    finally:
+        scheduler.manager.close()
+        for store in stores:
+            store.close()

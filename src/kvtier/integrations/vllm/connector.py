@@ -31,7 +31,7 @@ from kvtier.integrations.vllm.kv_events import SchedulerEvents, WorkerEvents
 from kvtier.integrations.vllm.layouts import engine_page, page_format
 from kvtier.integrations.vllm.metrics import KvtierConnectorStats, KvtierPromMetrics
 from kvtier.integrations.vllm.trackers import LoadSpec, SaveSpec, for_rank
-from kvtier.integrations.vllm.scheduler import SchedulerSide
+from kvtier.integrations.vllm.scheduler import SchedulerSide, deletes_for_rank
 from kvtier.integrations.vllm.worker import WorkerSide
 from kvtier.tiers import make_tier
 from kvtier.tiers.disk import DiskStore
@@ -52,8 +52,10 @@ class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     # the scheduler owns the shared directories' index: the files it evicted (tier name -> keys, every
-    # rank's), for the workers to delete (each rank all of them, behind its own queued writes)
+    # rank's), for the workers to delete (each rank its own shards', behind its own queued writes), and whose
+    # shard each is (tier name -> ranks; none: one worker)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)
+    delete_ranks: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -169,7 +171,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> KvtierMetadata:
         records = self._scheduler.build_records(scheduler_output.num_scheduled_tokens,
                                                 lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
-        return KvtierMetadata(records.loads, [] if self._consumer else records.saves, records.deletes)
+        return KvtierMetadata(records.loads, [] if self._consumer else records.saves, records.deletes,
+                              records.delete_ranks)
 
     @_scheduler_hook
     def update_connector_output(self, connector_output) -> None:
@@ -213,10 +216,9 @@ class KvtierConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:
             assert isinstance(connector_metadata, KvtierMetadata)
-            # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker)
-            # files of every rank: each rank deletes them all (the first finds each one), so a file whose write a
-            # rank queued before the delete goes when it lands (`DiskStore.delete_many`, behind that rank's writes)
-            deletes = connector_metadata.deletes
+            # the scheduler's chain keys -> this rank's shard keys (the same keys with one worker); of the files
+            # to delete, this rank's shards: deleted behind this rank's writes (`DiskStore.delete_behind_writes`)
+            deletes = deletes_for_rank(connector_metadata.deletes, connector_metadata.delete_ranks, self._rank)
             connector_metadata = KvtierMetadata(for_rank(connector_metadata.loads, self._rank, self._world_size),
                                                 for_rank(connector_metadata.saves, self._rank, self._world_size),
                                                 deletes)

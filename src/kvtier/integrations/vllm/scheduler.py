@@ -57,6 +57,10 @@ class SchedulerSide:
                              if isinstance(tier, DiskTier) and tier.owns_index}
         for tier in self._directories.values():
             tier.hand_deletes_off()
+        # tensor parallel: which rank's shard each file is (a file key does not say), per directory, for the
+        # files it indexes or was told of (saves, promotions, pins): each rank deletes its own files, behind its
+        # own writes (`deletes_for_rank`); forgotten as shipped. One not known (the start-up scan's): rank 0's
+        self._file_ranks: dict[str, dict[bytes, int]] = {name: {} for name in self._directories}
         self._pins: dict[str, list[tuple[DiskTier, list[bytes]]]] = {}  # req_id -> the files it pinned
         self._unallocated: set[str] = set()  # pinned by a lookup, not allocated (yet)
         self._asked: set[str] = set()  # looked up this step (the others' unallocated pins go at its end)
@@ -191,6 +195,7 @@ class SchedulerSide:
                 log.exception("kvtier: pinning a load in %s failed", name)
                 held = [False] * len(files)
             pins.append((tier, [key for key, h in zip(files, held) if h]))
+            self._note_ranks(name, files, held)
             ws = self.world_size
             lost = min([lost] + [i for n, i in enumerate(blocks) if not all(held[n * ws:(n + 1) * ws])])
         self._pins[req_id] = pins
@@ -216,9 +221,20 @@ class SchedulerSide:
         if below:
             try:
                 files = self._rank_keys(below)  # promoted all the same: one not admitted is deleted a step later
+                self._note_ranks(top.name, files)
                 top.hand_off_next([key for key, ok in zip(files, top.admit(files, self._block_bytes)) if not ok])
             except Exception:  # noqa: BLE001 - bookkeeping: the copies are then outside the index
                 log.exception("kvtier: admitting %d promoted blocks into %s failed", len(below), top.name)
+
+    def _note_ranks(self, name: str, files: list[bytes], flags: list[bool] | None = None) -> None:
+        """`files` (`_rank_keys`: file j is rank j % world_size's shard) are in directory `name`'s index or
+        will be deleted there (those `flags` says): remember whose shard each is."""
+        ws = self.world_size
+        if ws > 1:
+            ranks = self._file_ranks[name]
+            for j, file in enumerate(files):
+                if flags is None or flags[j]:
+                    ranks[file] = j % ws
 
     def _unpin(self, req_id: str) -> None:
         for tier, files in self._pins.pop(req_id, []):
@@ -231,14 +247,15 @@ class SchedulerSide:
             self._unpin(req_id)
 
     def _admit(self, saves: list[SaveSpec], chains: list[list[bytes]]
-               ) -> tuple[list[SaveSpec], dict[str, list[bytes]]]:
+               ) -> tuple[list[SaveSpec], dict[str, list[bytes]], dict[str, list[int]]]:
         """Index the blocks sent down this step in each directory, then refresh the `chains` (each saving
         request's blocks so far, root first) tail first: the saves of the blocks some directory
         took (one no index has room for — all of it pinned — is not written: a future miss), and the files
         that evicted (and lookups' adoptions) for the workers to delete. A block one directory could not
         keep but another did is written to both (the worker writes through to every tier): outside the
         first one's index, which ships its delete with the next step, after the worker queued the write
-        (`DiskTier.hand_off_next`) — a step that sends more blocks than a directory holds."""
+        (`DiskTier.hand_off_next`) — a step that sends more blocks than a directory holds. With several ranks,
+        whose shard each file to delete is (`deletes_for_rank`)."""
         keys = [key for spec in saves for key in spec.keys] if self.saves and self._directories else []
         files = self._rank_keys(keys)  # files[i * world_size + rank] is rank's shard of keys[i]
         ws = self.world_size
@@ -255,8 +272,9 @@ class SchedulerSide:
             every_rank = [all(admitted[i * ws:(i + 1) * ws]) for i in range(len(keys))] if admitted else []
             taken_by = [n + ok for n, ok in zip(taken_by, every_rank)]
         kept = [n > 0 for n in taken_by]
-        deletes = {}
+        deletes, delete_ranks = {}, {}
         for name, tier in self._directories.items():
+            self._note_ranks(name, files, [ok or kept[j // ws] for j, ok in enumerate(admitted_in[name])])
             try:  # written all the same where another directory took them: deleted a step later
                 tier.hand_off_next([file for j, (file, ok) in enumerate(zip(files, admitted_in[name]))
                                     if not ok and kept[j // ws]])
@@ -268,11 +286,14 @@ class SchedulerSide:
                 evicted = []
             if evicted:
                 deletes[name] = evicted
+                if ws > 1:
+                    ranks = self._file_ranks[name]
+                    delete_ranks[name] = [ranks.pop(file, 0) for file in evicted]
         if all(kept):
-            return saves, deletes
+            return saves, deletes, delete_ranks
         flags = iter(kept)
         kept_saves = [_keep(spec, [next(flags) for _ in spec.keys]) for spec in saves]
-        return [spec for spec in kept_saves if spec.keys], deletes
+        return [spec for spec in kept_saves if spec.keys], deletes, delete_ranks
 
     def hit_tokens_by_tier(self, request_id: str) -> dict[str, int]:
         tracker = self._trackers.get(request_id)
@@ -301,7 +322,8 @@ class SchedulerSide:
             if self.on_blocks is not None:
                 self.on_blocks(request, tracker.num_saved_blocks, keys, None)
             tracker.num_saved_blocks = num_full
-        self._records.saves, self._records.deletes = self._admit(self._records.saves, chains)
+        self._records.saves, self._records.deletes, self._records.delete_ranks = self._admit(self._records.saves,
+                                                                                              chains)
         records, self._records = self._records, StepRecords()
         return records
 
@@ -324,6 +346,20 @@ class SchedulerSide:
         self._trackers.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._plans.pop(request_id, None)
+
+
+def deletes_for_rank(deletes: dict[str, list[bytes]], delete_ranks: dict[str, list[int]],
+                     rank: int) -> dict[str, list[bytes]]:
+    """The files of a step's `deletes` (tier name -> files) that are rank `rank`'s shards (`delete_ranks`: the
+    rank of each; none for a tier: one worker, all of them): each rank deletes its own, on its own writes lane,
+    behind its own writes of them."""
+    out = {}
+    for name, files in deletes.items():
+        ranks = delete_ranks.get(name)
+        own = files if ranks is None else [file for file, r in zip(files, ranks) if r == rank]
+        if own:
+            out[name] = own
+    return out
 
 
 def _keep(spec: SaveSpec, flags: list[bool]) -> SaveSpec:

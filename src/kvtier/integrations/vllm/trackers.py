@@ -119,3 +119,4 @@ class StepRecords:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     deletes: dict[str, list[bytes]] = field(default_factory=dict)  # tier name -> files (keys) its index evicted
+    delete_ranks: dict[str, list[int]] = field(default_factory=dict)  # ... whose shard each is (several ranks)
