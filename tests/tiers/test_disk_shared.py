@@ -430,15 +430,27 @@ def test_a_bad_block_goes_even_if_pinned(tmp_path):
 HAMMER_KEYS = [i.to_bytes(16, "big") for i in range(1, 41)]
 
 
+HAMMER_MIN = {"pinned_read": 40, "evictions": 40, "startups": 1}  # per process: the race was run
+HAMMER_MAX_SECONDS = 60.0  # a busy box takes longer to get there; never longer than this
+
+
 def _hammer(directory: str, seed: int, seconds: float, capacity_blocks: int, results) -> None:
     """Writes, pinned loads, plain reads and start-ups (a fresh index: the scan, its cleanup and its
-    over-capacity eviction) in random order, on a directory far smaller than the keys written to it."""
+    over-capacity eviction) in random order, on a directory far smaller than the keys written to it: for
+    `seconds`, and on until this process did `HAMMER_MIN` of each (a slow box's run is not a shorter race)."""
     rng = random.Random(seed)
     counts: Counter = Counter()
     tier = DiskTier(directory, capacity_blocks * BLOCK_BYTES)
-    deadline = time.monotonic() + seconds
+    start = time.monotonic()
+
+    def racing() -> bool:
+        elapsed = time.monotonic() - start
+        done = {**counts, "evictions": counts["evictions"] + tier.stats.evictions}
+        short = any(done.get(name, 0) < least for name, least in HAMMER_MIN.items())
+        return elapsed < seconds or (short and elapsed < HAMMER_MAX_SECONDS)
+
     try:
-        while time.monotonic() < deadline:
+        while racing():
             keys = rng.sample(HAMMER_KEYS, 4)
             op = rng.random()
             if op < 0.45:
