@@ -21,7 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import EventPublisher, batch as _batch  # noqa: E402
 
-from kvtier.route.event_relay import EventRelay, Tenants, decode, shared_part  # noqa: E402
+from kvtier.events.wire import decode_batch as decode  # noqa: E402
+from kvtier.route.event_relay import EventRelay, Tenants, shared_part  # noqa: E402
 from kvtier.route.replicas import Replica  # noqa: E402
 from kvtier.route.selectors import DynamoSelector  # noqa: E402
 from support.waiting import wait_until  # noqa: E402

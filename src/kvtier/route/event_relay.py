@@ -43,10 +43,10 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-import msgpack
 import zmq
 
 from kvtier.events.publisher import ReplayBuffer
+from kvtier.events.wire import decode_batch, encode_batch
 from kvtier.ports import free_ports
 from kvtier.thread_names import named_thread
 
@@ -60,17 +60,9 @@ REPLAY_TIMEOUT_MS = 1000  # waiting for a replica's replay answer (a gap's batch
 LOGGED_UNREADABLE = 3  # unreadable messages logged one by one; the rest counted
 
 
-def decode(payload: bytes) -> list:
-    """vLLM's msgpack `KVEventBatch`: [ts, events, dp_rank], each event a map tagged `type`."""
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-
-
-def encode(batch: list) -> bytes:
-    return msgpack.packb(batch, use_bin_type=True)
-
-
-def shared_part(batch: list) -> list | None:
-    """The decoded `batch` cut down to its blocks in a shared medium; None when it has none."""
+def shared_part(batch) -> list | None:
+    """The decoded `batch` (`wire.decode_batch`: ts, events, dp_rank) cut down to its blocks in a shared
+    medium; None when it has none."""
     events = [e for e in batch[1] if isinstance(e, dict) and e.get("type") in ("BlockStored", "BlockRemoved")
               and e.get("medium") in SHARED_MEDIUMS]
     if not events:
@@ -93,7 +85,7 @@ class Tenants:
         self.max_blocks = max_blocks
         self._salt_of: OrderedDict = OrderedDict()  # block hash -> salt (salted blocks only)
 
-    def tag(self, batch: list) -> bool:
+    def tag(self, batch) -> bool:
         """Set `cache_salt` on the batch's salted `BlockStored` events (in place); whether any was set."""
         changed = False
         for event in batch[1]:
@@ -270,9 +262,9 @@ class EventRelay:
         """Pass source `i`'s batch on (tagged), and its shared blocks to the pool's other replicas."""
         shared = None
         try:
-            batch = decode(payload)
+            batch = decode_batch(payload)
             if self._tenants[i].tag(batch):
-                payload = encode(batch)
+                payload = encode_batch(*batch)
                 self.num_salted += 1
             shared = shared_part(batch) if self.shared_pool else None
         except Exception as exc:  # noqa: BLE001 - not vLLM's batch: passed on as it came
@@ -285,5 +277,5 @@ class EventRelay:
             return
         for j in range(len(self._pubs)):
             if j != i:
-                self._send(j, topic, encode(shared))
+                self._send(j, topic, encode_batch(*shared))
                 self.num_relayed += 1

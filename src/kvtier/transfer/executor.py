@@ -51,7 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 
-from kvtier.thread_names import name_os_thread
+from kvtier.thread_names import named_thread
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,12 @@ class _Lane:
                 self._start_thread()
 
     def _start_thread(self) -> None:
-        thread = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+        thread = named_thread(self._work, f"{self.name}-{len(self._threads)}")
         self._threads.append(thread)
         thread.start()
 
     def _work(self) -> None:
         _current.lane = self
-        name_os_thread()
         while True:
             with self._lock:
                 while not self._tasks and not self._closing:

@@ -21,6 +21,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvtier.thread_names import named_thread
+
 log = logging.getLogger("kvtier.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -121,7 +123,7 @@ class ProxyThread:
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(prefill_url, decode_url)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, name="kvtier-proxy", daemon=True)
+        self.thread = named_thread(self.server.run, "kvtier-proxy")
 
     def __enter__(self) -> ProxyThread:
         self.thread.start()
